@@ -1,0 +1,50 @@
+"""The `ctxwarden` command. Each subcommand lives in its own module of this package.
+
+A command module defines `HELP` (one line), `add_arguments(parser)` and `run(args) -> int`.
+Modules are imported only when their command runs, so `ctxwarden plan` never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+# name -> module under ctxwarden.cli; one line per command.
+COMMANDS = {
+    "plan": "plan",
+}
+
+_HELP = {
+    "plan": "Exact KV-cache and memory plan for a model and a budget.",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ctxwarden", description="Long-context LLM inference runtime.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, module in COMMANDS.items():
+        p = sub.add_parser(name, help=_HELP.get(name, ""), description=_HELP.get(name, ""))
+        p.set_defaults(_module=module)
+        _load(module).add_arguments(p)
+    return parser
+
+
+def _load(module: str):
+    return importlib.import_module(f"ctxwarden.cli.{module}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    args = build_parser().parse_args(argv)
+    try:
+        return _load(args._module).run(args) or 0
+    except (ValueError, FileNotFoundError) as e:  # our named errors subclass these
+        print(f"ctxwarden {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""Named errors. Every refusal names the limit, the value and the fix.
+
+Kept in one module so that the server can map each error class to an HTTP status and an
+OpenAI error code without importing the stage that raised it.
+"""
+
+from __future__ import annotations
+
+
+class CtxwardenError(Exception):
+    """Base class of every error ctxwarden raises on purpose."""
+
+
+class ConfigError(CtxwardenError, ValueError):
+    """A model config (config.json or GGUF metadata) is malformed or unsupported.
+
+    The message always names the file and the field.
+    """
+
+    def __init__(self, source: str, field: str, problem: str):
+        self.source = source
+        self.field = field
+        self.problem = problem
+        super().__init__(f"{source}: field '{field}': {problem}")
+
+
+class ModelNotFound(CtxwardenError, FileNotFoundError):
+    """A model path (or the default model package) cannot be found."""
+
+
+class ContextLengthExceeded(CtxwardenError, ValueError):
+    """A request can never fit the model's window (prompt + max_tokens > window)."""
+
+    def __init__(self, window_tokens: int, prompt_tokens: int, max_tokens: int, detail: str = ""):
+        self.window_tokens = window_tokens
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        total = prompt_tokens + max_tokens
+        msg = (
+            f"This model's maximum context length is {window_tokens} tokens. However, you "
+            f"requested {total} tokens ({prompt_tokens} in the prompt, {max_tokens} for the "
+            f"completion). Please reduce the prompt or max_tokens."
+        )
+        if detail:
+            msg += " " + detail
+        super().__init__(msg)
+
+
+class KVCapacityExceeded(CtxwardenError, ValueError):
+    """A request needs more KV blocks than the whole pool holds: it can never be served."""
+
+    def __init__(self, blocks_needed: int, num_blocks: int, max_context_tokens: int):
+        self.blocks_needed = blocks_needed
+        self.num_blocks = num_blocks
+        self.max_context_tokens = max_context_tokens
+        super().__init__(
+            f"The request needs {blocks_needed} KV blocks but the whole pool holds "
+            f"{num_blocks} (the longest sequence it can hold is {max_context_tokens} tokens). "
+            f"Give the engine more kv_memory, shorten the prompt, or lower max_tokens."
+        )

@@ -1,0 +1,5 @@
+import sys
+
+from ctxwarden.cli import main
+
+sys.exit(main())

@@ -58,3 +58,15 @@ class KVCapacityExceeded(CtxwardenError, ValueError):
             f"{num_blocks} (the longest sequence it can hold is {max_context_tokens} tokens). "
             f"Give the engine more kv_memory, shorten the prompt, or lower max_tokens."
         )
+
+
+class QueueFull(CtxwardenError, RuntimeError):
+    """The bounded waiting queue is full: try again later (the server answers 429)."""
+
+    def __init__(self, num_waiting: int, max_waiting: int):
+        self.num_waiting = num_waiting
+        self.max_waiting = max_waiting
+        super().__init__(
+            f"The waiting queue is full ({num_waiting} of {max_waiting} requests waiting). "
+            "Retry after a short delay, or raise max_waiting."
+        )

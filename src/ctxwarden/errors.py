@@ -70,3 +70,43 @@ class QueueFull(CtxwardenError, RuntimeError):
             f"The waiting queue is full ({num_waiting} of {max_waiting} requests waiting). "
             "Retry after a short delay, or raise max_waiting."
         )
+
+# --- KV block manager (ctxwarden.kv) ---------------------------------------------------
+
+
+class KVPoolExhausted(CtxwardenError, RuntimeError):
+    """The pool has fewer allocatable blocks (free + evictable cached) than a call needs.
+
+    Raised by the act half of a check/act pair (`allocate`, `append`) when the check half
+    (`can_allocate`, `can_append`) was skipped or the pool changed in between.
+    """
+
+    def __init__(self, num_blocks_needed: int, num_blocks_available: int, num_blocks_total: int):
+        self.num_blocks_needed = num_blocks_needed
+        self.num_blocks_available = num_blocks_available
+        self.num_blocks_total = num_blocks_total
+        super().__init__(
+            f"KV pool exhausted: the call needs {num_blocks_needed} blocks but only "
+            f"{num_blocks_available} of {num_blocks_total} are free or evictable. Ask "
+            f"can_allocate/can_append first, then preempt or wait for a sequence to finish."
+        )
+
+
+class DoubleFree(CtxwardenError, RuntimeError):
+    """A block or a sequence is released a second time."""
+
+
+class UseAfterFree(CtxwardenError, RuntimeError):
+    """A released sequence (or a released block) is used again."""
+
+
+class UnknownSequence(CtxwardenError, LookupError):
+    """A sequence id the KV manager has never allocated."""
+
+
+class SequenceExists(CtxwardenError, ValueError):
+    """`allocate` was called for a sequence id that already holds blocks."""
+
+
+class KVSlotReleased(CtxwardenError, LookupError):
+    """A token position whose block a sliding window (or no allocation) does not hold."""

@@ -1,0 +1,400 @@
+"""The KV cache manager: block tables per sequence over one shared block pool.
+
+The engine's whole contract with KV memory:
+
+    can_allocate(prompt) / allocate(seq, prompt)  -> KVAllocation (tokens hit in the cache)
+    can_append(seq, n)   / append(seq, tokens)    -> slots for new tokens (windows roll)
+    block_tables(seq), slot_mapping(seq, ...)     -> what the runner reads and writes
+    free(seq)                                     -> released in this call
+    stats(), audit(live)                          -> KVStats, AuditReport
+
+A sequence holds one BlockTable per layer group of the KVLayout; all groups draw from one
+BlockPool because every page has the same size. Prefix caching: each full block gets a
+hash-chain key (ctxwarden.kv.prefix) per group, salted by the namespace (tenant); a new
+prompt reuses the longest run of cached blocks that every group can serve, capped so the
+last prompt token is always computed (its logits are the first sample).
+
+Algorithm of allocate: hash the prompt's full blocks -> find the longest hit -> take a
+reference on the hit blocks (before allocating, so the allocation cannot evict them) ->
+allocate blocks for the new tokens -> register every newly full block in the cache.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Hashable, Iterable, Mapping, Sequence
+
+from ctxwarden.errors import (DoubleFree, KVPoolExhausted, KVSlotReleased, SequenceExists,
+                              UnknownSequence, UseAfterFree)
+from ctxwarden.kv.audit import AuditReport, RiskThresholds, SequenceBlocks, run_audit
+from ctxwarden.kv.block_pool import BlockPool
+from ctxwarden.kv.block_table import BlockTable, first_needed_block
+from ctxwarden.kv.prefix import BlockHash, extend_chain, root_hash
+from ctxwarden.kv.stats import KVStats, fragmentation
+from ctxwarden.plan.kv import KVLayout
+
+_FREED_HISTORY = 1 << 16  # freed ids remembered to tell a double free from an unknown id
+
+
+@dataclass(frozen=True)
+class KVAllocation:
+    """What `allocate` did: tokens found in the cache, tokens given slots, blocks taken."""
+
+    seq_id: Hashable
+    num_computed_tokens: int  # prefix hit: KV already in the pool, do not recompute
+    num_new_tokens: int  # tokens given slots now (to compute this step)
+    num_new_blocks: int  # blocks taken from the pool, over every group
+    num_hit_blocks: int  # cached blocks shared, over every group
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """A read-only prefix lookup: how much of a prompt the cache already holds."""
+
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    num_new_blocks_needed: int  # to give every prompt token a slot
+    num_blocks_revived: int  # hit blocks now evictable (allocation takes them off the list)
+
+
+@dataclass
+class _Plan:
+    chain: list[BlockHash]
+    root: BlockHash
+    hit_tables: list[list[int | None]]
+    num_hit_blocks: int  # logical blocks (per group)
+    num_new_tokens: int
+    num_new_blocks: int
+    num_revived: int
+
+
+class _Sequence:
+    __slots__ = ("seq_id", "namespace", "root", "token_ids", "num_tokens", "tables", "chain",
+                 "num_registered_blocks", "touched_ns")
+
+    def __init__(self, seq_id, namespace, root, token_ids, tables, chain, now_ns):
+        self.seq_id, self.namespace, self.root = seq_id, namespace, root
+        self.token_ids: list[int] = token_ids  # every token known (slotted or not yet)
+        self.num_tokens = 0  # tokens with a slot
+        self.tables: list[BlockTable] = tables
+        self.chain: list[BlockHash] = chain  # hash of full block j (when caching is on)
+        self.num_registered_blocks = 0
+        self.touched_ns = now_ns
+
+
+class KVCacheManager:
+    """Paged KV block manager for one KVLayout and a pool of `num_blocks` pages."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int, enable_prefix_caching: bool = True,
+                 clock_ns: Callable[[], int] = time.monotonic_ns,
+                 risk_thresholds: RiskThresholds = RiskThresholds()):
+        self.layout = layout
+        self.block_size = layout.block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.risk_thresholds = risk_thresholds
+        self.pool = BlockPool(num_blocks, layout.block_size, clock_ns)
+        self._seqs: dict[Hashable, _Sequence] = {}
+        self._freed: OrderedDict[Hashable, None] = OrderedDict()
+        # The namespace whose tokens a cached block holds: checked on every hit, so a hash
+        # collision across tenants would be counted (and refused), not served.
+        self._block_namespace: list[str | None] = [None] * num_blocks
+        self.num_prefix_queries = 0
+        self.num_prefix_query_tokens = 0
+        self.num_prefix_hit_tokens = 0
+        self.num_cross_namespace_hits = 0
+
+    # --- allocate ---------------------------------------------------------------------
+
+    def find_prefix(self, token_ids: Sequence[int], namespace: str = "",
+                    extra_keys: Sequence[str | bytes | int] = ()) -> PrefixHit:
+        """How many of the prompt's tokens the cache holds, changing nothing (no counters)."""
+        plan = self._plan(token_ids, namespace, extra_keys, None)
+        return PrefixHit(len(token_ids), plan.num_hit_blocks * self.block_size,
+                         plan.num_new_blocks, plan.num_revived)
+
+    def can_allocate(self, token_ids: Sequence[int], namespace: str = "",
+                     extra_keys: Sequence[str | bytes | int] = (),
+                     max_num_new_tokens: int | None = None) -> bool:
+        """Whether `allocate` with the same arguments would succeed now."""
+        plan = self._plan(token_ids, namespace, extra_keys, max_num_new_tokens)
+        return plan.num_new_blocks + plan.num_revived <= self.pool.num_available_blocks
+
+    def allocate(self, seq_id: Hashable, token_ids: Sequence[int], namespace: str = "",
+                 extra_keys: Sequence[str | bytes | int] = (),
+                 max_num_new_tokens: int | None = None) -> KVAllocation:
+        """Register a sequence with its prompt; share its cached prefix; slot the rest.
+
+        Slots go to the hit tokens plus at most `max_num_new_tokens` more (default: the
+        whole prompt); chunked prefill slots the remaining prompt tokens with `append`.
+        Raises SequenceExists, or KVPoolExhausted (changing nothing) when it does not fit.
+        """
+        if seq_id in self._seqs:
+            raise SequenceExists(f"sequence {seq_id!r} already holds KV blocks; free it first")
+        plan = self._plan(token_ids, namespace, extra_keys, max_num_new_tokens)
+        needed = plan.num_new_blocks + plan.num_revived
+        if needed > self.pool.num_available_blocks:
+            raise KVPoolExhausted(needed, self.pool.num_available_blocks, self.pool.num_blocks)
+        self._count_query(len(token_ids), plan.num_hit_blocks * self.block_size)
+        hit_ids = [b for table in plan.hit_tables for b in table if b is not None]
+        self.pool.touch(hit_ids)  # before allocating: the allocation must not evict them
+        seq = self._new_sequence(seq_id, namespace, plan, token_ids)
+        seq.num_tokens = plan.num_hit_blocks * self.block_size
+        seq.num_registered_blocks = plan.num_hit_blocks
+        num_new_blocks = self._grow(seq, seq.num_tokens + plan.num_new_tokens)
+        return KVAllocation(seq_id, plan.num_hit_blocks * self.block_size,
+                            plan.num_new_tokens, num_new_blocks, len(hit_ids))
+
+    def _new_sequence(self, seq_id, namespace, plan: _Plan, token_ids) -> _Sequence:
+        tables = [BlockTable(self.block_size, g.window_tokens, self.layout.sink_tokens, ids)
+                  for g, ids in zip(self.layout.groups, plan.hit_tables)]
+        seq = _Sequence(seq_id, namespace, plan.root, list(token_ids), tables, plan.chain,
+                        self.pool.now_ns())
+        self._seqs[seq_id] = seq
+        self._freed.pop(seq_id, None)  # an id may come back (recompute after preemption)
+        return seq
+
+    def _count_query(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        if self.enable_prefix_caching:
+            self.num_prefix_queries += 1
+            self.num_prefix_query_tokens += num_prompt_tokens
+            self.num_prefix_hit_tokens += num_hit_tokens
+
+    # --- the prefix lookup --------------------------------------------------------------
+
+    def _plan(self, token_ids, namespace, extra_keys, max_num_new_tokens) -> _Plan:
+        if len(token_ids) < 1:
+            raise ValueError("a sequence needs at least 1 prompt token, got 0")
+        if max_num_new_tokens is not None and max_num_new_tokens < 1:
+            raise ValueError(f"max_num_new_tokens must be >= 1, got {max_num_new_tokens}")
+        bs, num_groups = self.block_size, self.layout.num_groups
+        chain: list[BlockHash] = []
+        root = b""
+        hit_tables: list[list[int | None]] = [[] for _ in range(num_groups)]
+        if self.enable_prefix_caching:
+            root = root_hash(namespace, tuple(extra_keys))
+            extend_chain(chain, root, token_ids, bs, len(token_ids) // bs)
+            hit_tables = self._longest_hit(chain[:(len(token_ids) - 1) // bs], namespace)
+        num_hit = len(hit_tables[0])
+        num_new = len(token_ids) - num_hit * bs
+        if max_num_new_tokens is not None:
+            num_new = min(num_new, max_num_new_tokens)
+        num_new_blocks = num_groups * (-(-(num_hit * bs + num_new) // bs) - num_hit)
+        revived = sum(1 for t in hit_tables for b in t
+                      if b is not None and self.pool.ref_count(b) == 0)
+        return _Plan(chain, root, hit_tables, num_hit, num_new, num_new_blocks, revived)
+
+    def _longest_hit(self, chain: list[BlockHash], namespace: str) -> list[list[int | None]]:
+        """Per-group hit tables for the largest k every group can serve.
+
+        A full group serves k blocks iff blocks 0..k-1 are all cached. A sliding group
+        needs only what a step starting at token k*bs reads: its sink blocks and the blocks
+        from first_needed_block(k*bs) to k-1; the rest of its table stays None.
+        """
+        lookup = self.pool.lookup
+        found = [[lookup((g, h)) for h in chain] for g in range(self.layout.num_groups)]
+        k = len(chain)
+        for ids in (f for f, g in zip(found, self.layout.groups) if g.window_tokens is None):
+            k = min(k, next((j for j, b in enumerate(ids) if b is None), len(ids)))
+        runs = [_runs_ending_at(ids) for ids in found]
+        while k > 0 and not all(self._group_serves(g, found[g], runs[g], k)
+                                for g in range(self.layout.num_groups)):
+            k -= 1
+        tables = [self._hit_table(g, found[g], k) for g in range(self.layout.num_groups)]
+        if any(self._block_namespace[b] != namespace for t in tables for b in t if b is not None):
+            self.num_cross_namespace_hits += 1  # never served: treat it as a miss
+            return [[] for _ in tables]
+        return tables
+
+    def _group_serves(self, g: int, ids: list[int | None], runs: list[int], k: int) -> bool:
+        window = self.layout.groups[g].window_tokens
+        if window is None:
+            return True  # k is already capped by the leading run
+        first = first_needed_block(k * self.block_size, window, self.block_size)
+        sinks = min(_sink_blocks(self.layout, self.block_size), k)
+        return runs[k - 1] >= k - first and (sinks == 0 or runs[sinks - 1] >= sinks)
+
+    def _hit_table(self, g: int, ids: list[int | None], k: int) -> list[int | None]:
+        window = self.layout.groups[g].window_tokens
+        if window is None or k == 0:
+            return ids[:k]
+        first = first_needed_block(k * self.block_size, window, self.block_size)
+        sinks = _sink_blocks(self.layout, self.block_size)
+        return [b if (j < sinks or j >= first) else None for j, b in enumerate(ids[:k])]
+
+    # --- append -------------------------------------------------------------------------
+
+    def can_append(self, seq_id: Hashable, num_new_tokens: int = 1) -> bool:
+        """Whether `append` of `num_new_tokens` tokens to `seq_id` would succeed now."""
+        seq = self._live(seq_id)
+        return self._append_shortfall(seq, seq.num_tokens + num_new_tokens) <= 0
+
+    def append(self, seq_id: Hashable, token_ids: Sequence[int] = (),
+               num_new_tokens: int | None = None) -> None:
+        """Add `token_ids` to the sequence, then give slots to `num_new_tokens` more tokens.
+
+        The default slots every known token (a decode step: append(seq, [sampled])); a
+        chunked prefill passes num_new_tokens for the next chunk of the prompt given to
+        `allocate`. Sliding groups first release the blocks this step no longer reads.
+        Blocks that become full are registered in the prefix cache. Raises UseAfterFree,
+        UnknownSequence, or KVPoolExhausted (changing nothing).
+        """
+        seq = self._live(seq_id)
+        num_known = len(seq.token_ids) + len(token_ids)
+        num_new = num_known - seq.num_tokens if num_new_tokens is None else num_new_tokens
+        if not 0 <= num_new <= num_known - seq.num_tokens:
+            raise ValueError(f"num_new_tokens must be in [0, {num_known - seq.num_tokens}] (the "
+                             f"known tokens without a slot), got {num_new}")
+        shortfall = self._append_shortfall(seq, seq.num_tokens + num_new)
+        if shortfall > 0:
+            available = self.pool.num_available_blocks
+            raise KVPoolExhausted(available + shortfall, available, self.pool.num_blocks)
+        seq.token_ids.extend(token_ids)
+        for table in seq.tables:
+            self.pool.free(table.release(seq.num_tokens))
+        self._grow(seq, seq.num_tokens + num_new)
+
+    def _append_shortfall(self, seq: _Sequence, num_tokens_after: int) -> int:
+        """Blocks missing for the append: needed minus available after the window release."""
+        needed = sum(t.num_blocks_to_grow(num_tokens_after) for t in seq.tables)
+        released = sum(1 for t in seq.tables for b in t.releasable_block_ids(seq.num_tokens)
+                       if self.pool.ref_count(b) == 1)
+        return needed - self.pool.num_available_blocks - released
+
+    def _grow(self, seq: _Sequence, num_tokens_after: int) -> int:
+        """Allocate blocks so every table covers `num_tokens_after`; register full blocks."""
+        counts = [t.num_blocks_to_grow(num_tokens_after) for t in seq.tables]
+        ids = self.pool.allocate(sum(counts))
+        start = 0
+        for table, n in zip(seq.tables, counts):
+            table.block_ids.extend(ids[start:start + n])
+            start += n
+        seq.num_tokens = num_tokens_after
+        seq.touched_ns = self.pool.now_ns()
+        if self.enable_prefix_caching:
+            self._register_full_blocks(seq)
+        return len(ids)
+
+    def _register_full_blocks(self, seq: _Sequence) -> None:
+        num_full = seq.num_tokens // self.block_size
+        if num_full <= seq.num_registered_blocks:
+            return
+        extend_chain(seq.chain, seq.root, seq.token_ids, self.block_size, num_full)
+        for j in range(seq.num_registered_blocks, num_full):
+            for g, table in enumerate(seq.tables):
+                b = table.block_ids[j]
+                if b is not None and self.pool.cache_block(b, (g, seq.chain[j])):
+                    self._block_namespace[b] = seq.namespace
+        seq.num_registered_blocks = num_full
+
+    # --- free -----------------------------------------------------------------------------
+
+    def free(self, seq_id: Hashable) -> None:
+        """Release every block of `seq_id` now. Full blocks stay cached (evictable, LRU).
+
+        Blocks are released tail first, so the tail of the hash chain is evicted before its
+        head. Raises DoubleFree for an id freed before, UnknownSequence for one never seen.
+        """
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            self._raise_not_live(seq_id, "free", DoubleFree)
+        num_logical = len(seq.tables[0].block_ids)
+        tail_first = [b for j in range(num_logical - 1, -1, -1) for t in seq.tables
+                      if (b := t.block_ids[j]) is not None]
+        self.pool.free(tail_first)
+        del self._seqs[seq_id]
+        self._freed[seq_id] = None
+        if len(self._freed) > _FREED_HISTORY:
+            self._freed.popitem(last=False)
+
+    def _live(self, seq_id: Hashable) -> _Sequence:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            self._raise_not_live(seq_id, "use", UseAfterFree)
+        return seq
+
+    def _raise_not_live(self, seq_id: Hashable, verb: str, freed_error: type) -> None:
+        if seq_id in self._freed:
+            raise freed_error(f"sequence {seq_id!r} was already freed; cannot {verb} it again "
+                              f"(allocate it anew to recompute)")
+        raise UnknownSequence(f"sequence {seq_id!r} was never allocated; call allocate first")
+
+    # --- what the runner reads -----------------------------------------------------------
+
+    def block_tables(self, seq_id: Hashable) -> tuple[list[int | None], ...]:
+        """One list per layer group: logical block j -> block id, None where released."""
+        return tuple(list(t.block_ids) for t in self._live(seq_id).tables)
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        """Tokens of `seq_id` that have a slot."""
+        return self._live(seq_id).num_tokens
+
+    def slot_mapping(self, seq_id: Hashable, start_pos: int, stop_pos: int,
+                     group_index: int = 0) -> list[int]:
+        """Slot of each token position in [start_pos, stop_pos) for one group.
+
+        slot = block_table[p // block_size] * block_size + p % block_size: the row of the
+        runner's [num_blocks * block_size, ...] KV tensor. A position whose block a window
+        released (or that has no slot yet) maps nowhere: KVSlotReleased is raised.
+        """
+        seq = self._live(seq_id)
+        if not 0 <= start_pos <= stop_pos <= seq.num_tokens:
+            raise KVSlotReleased(f"positions [{start_pos}, {stop_pos}) are outside the "
+                                 f"{seq.num_tokens} slotted tokens of {seq_id!r}")
+        ids, bs = seq.tables[group_index].block_ids, self.block_size
+        slots = []
+        for p in range(start_pos, stop_pos):
+            b = ids[p // bs]
+            if b is None:
+                raise KVSlotReleased(f"position {p} of {seq_id!r} lies in a block the "
+                                     f"sliding window of group {group_index} released")
+            slots.append(b * bs + p % bs)
+        return slots
+
+    # --- accounting -----------------------------------------------------------------------
+
+    def sequences(self) -> list[SequenceBlocks]:
+        """A snapshot of every sequence holding blocks (for the audit, stats, diagnostics)."""
+        return [SequenceBlocks(s.seq_id, s.namespace, s.num_tokens,
+                               tuple(tuple(t.block_ids) for t in s.tables), s.touched_ns)
+                for s in self._seqs.values()]
+
+    def audit(self, live_seq_ids: Iterable[Hashable] | None = None,
+              finished_at_ns: Mapping[Hashable, int] | None = None) -> AuditReport:
+        """Recount the pool and check every invariant (see ctxwarden.kv.audit).
+
+        Pass the engine's live sequence ids to find leaks; `finished_at_ns` (clock of the
+        pool) dates each finished owner's leak for the risk level.
+        """
+        return run_audit(self.pool, self.sequences(), live_seq_ids, finished_at_ns,
+                         self.risk_thresholds)
+
+    def stats(self, run_audit_check: bool = True) -> KVStats:
+        """Every counter and gauge of the manager, with fragmentation and audit findings.
+
+        The audit and the fragmentation scan are O(num_blocks); pass run_audit_check=False
+        on a hot path to skip the audit (findings are then empty).
+        """
+        pool, seqs = self.pool, self.sequences()
+        findings = self.audit().findings if run_audit_check else ()
+        return KVStats(
+            self.block_size, pool.num_blocks, pool.num_in_use_blocks, pool.num_evictable_blocks,
+            pool.num_free_blocks, len(seqs), self.num_prefix_queries,
+            self.num_prefix_query_tokens, self.num_prefix_hit_tokens, pool.num_evictions,
+            self.num_cross_namespace_hits,
+            fragmentation(pool.ref_counts(), self.block_size, seqs, self.layout.num_groups),
+            findings)
+
+
+def _runs_ending_at(ids: list[int | None]) -> list[int]:
+    """runs[j] = how many consecutive found blocks end at index j."""
+    runs, run = [], 0
+    for b in ids:
+        run = run + 1 if b is not None else 0
+        runs.append(run)
+    return runs
+
+
+def _sink_blocks(layout: KVLayout, block_size: int) -> int:
+    return -(-layout.sink_tokens // block_size)

@@ -318,6 +318,13 @@ def _rope_from_dict(r: _Reader, d: Mapping[str, Any], name: str, partial: float)
     theta = d.get("rope_theta", r.raw.get("rope_theta", 10000.0))
     partial = float(d.get("partial_rotary_factor", partial))
     extra = {k: v for k, v in d.items() if k not in ("rope_type", "type", "rope_theta", "partial_rotary_factor")}
+    if rope_type in ("llama3", "yarn", "longrope"):
+        # As transformers does: a top-level original_max_position_embeddings (Phi-3 writes
+        # one) wins over the rope dict's; without either, the trained length is the max.
+        top = r.raw.get("original_max_position_embeddings")
+        if top is not None:
+            extra["original_max_position_embeddings"] = top
+        extra.setdefault("original_max_position_embeddings", r.raw.get("max_position_embeddings", 2048))
     if rope_type in ("linear", "dynamic", "yarn", "llama3") and "factor" not in extra:
         raise ConfigError(r.source, f"{name}.factor", f"RoPE variant {rope_type!r} needs a factor")
     return RopeConfig(theta=float(theta), rope_type=rope_type, partial_rotary_factor=partial, params=extra)

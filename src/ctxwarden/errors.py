@@ -110,3 +110,28 @@ class SequenceExists(CtxwardenError, ValueError):
 
 class KVSlotReleased(CtxwardenError, LookupError):
     """A token position whose block a sliding window (or no allocation) does not hold."""
+
+class WeightsError(CtxwardenError, ValueError):
+    """A checkpoint's tensors cannot be loaded: missing, misshapen or of an unsupported type.
+
+    Raised while reading headers, before any tensor memory is committed; the message names
+    the file and the tensor.
+    """
+
+    def __init__(self, source: str, tensor: str, problem: str):
+        self.source = source
+        self.tensor = tensor
+        self.problem = problem
+        super().__init__(f"{source}: tensor '{tensor}': {problem}")
+
+
+class UnsupportedArchitecture(CtxwardenError, ValueError):
+    """The runner has no implementation for a checkpoint's architecture."""
+
+    def __init__(self, source: str, model_type: str, supported: tuple[str, ...]):
+        self.source = source
+        self.model_type = model_type
+        super().__init__(
+            f"{source}: architecture {model_type!r} cannot be run; the runner implements "
+            f"{', '.join(supported)}. (`ctxwarden plan` still works for any config.)"
+        )

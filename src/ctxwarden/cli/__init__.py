@@ -14,10 +14,12 @@ import sys
 # name -> module under ctxwarden.cli; one line per command.
 COMMANDS = {
     "plan": "plan",
+    "make-model": "make_model",
 }
 
 _HELP = {
     "plan": "Exact KV-cache and memory plan for a model and a budget.",
+    "make-model": "Write a random-weight Hugging Face checkpoint (and a trained BPE tokenizer).",
 }
 
 

@@ -1,0 +1,216 @@
+"""The llama family: llama, mistral, qwen2 (q/k/v bias), qwen3 (q/k RMSNorm), phi3 (fused).
+
+Pre-norm decoder, read top to bottom:
+
+    x = embed(ids)                                   # [T, hidden]
+    for each layer:
+        h = rms_norm(x);  q, k, v = split(h @ Wqkv)  # one matmul for q, k and v
+        q, k = rope(q), rope(k); cache <- k, v        # k stored rotated
+        x = x + o(attention(q, paged k/v))
+        x = x + mlp(rms_norm(x))
+    logits = lm_head(rms_norm(x))[rows asked for]
+
+Tokens of every sequence of a step are flattened into one [T, ...] batch; only attention
+looks at sequence boundaries (through StepInputs). Weights are kept as plain tensors (no
+autograd, no nn.Module): q/k/v and gate/up are concatenated at load time so each costs one
+matmul. Gemma2 (gemma2.py) subclasses this and overrides the few steps that differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ctxwarden.config import ModelSpec
+from ctxwarden.layers.mlp import activation, gated_mlp
+from ctxwarden.layers.norm import rms_norm
+from ctxwarden.layers.rotary import RotaryEmbedding, apply_rotary
+from ctxwarden.runner.attention import AttentionBackend, AttentionParams
+from ctxwarden.runner.inputs import StepInputs
+from ctxwarden.runner.kv_cache import PagedKVCache
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer's tensors, in the runtime's fused layout."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, hidden]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor  # [hidden, Hq * D]
+    q_norm: torch.Tensor | None  # [D] (qwen3)
+    k_norm: torch.Tensor | None
+    post_attn_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * inter, hidden]
+    down: torch.Tensor  # [hidden, inter]
+    pre_ffn_norm: torch.Tensor | None = None  # gemma2 only
+    post_ffn_norm: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class StepRope:
+    """Cos/sin tables of one step, per rotary variant (global / local) and per sink query."""
+
+    tables: dict
+
+
+class LlamaForCausalLM:
+    """Inference-only llama-family decoder over a paged KV cache."""
+
+    norm_offset = 0.0  # RMSNorm scales by (offset + w); gemma uses 1
+
+    def __init__(self, spec: ModelSpec, embed: torch.Tensor, layers: list[LayerWeights],
+                 final_norm: torch.Tensor, lm_head: torch.Tensor):
+        self.spec, self.embed_tokens, self.layers = spec, embed, layers
+        self.final_norm, self.lm_head = final_norm, lm_head
+        self.dtype = embed.dtype
+        self.act = activation(spec.hidden_act)
+        self.q_size = spec.num_attention_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.rotary = RotaryEmbedding(spec.rope, spec.head_dim, spec.max_position_embeddings)
+        self.rotary_local = (RotaryEmbedding(spec.rope_local, spec.head_dim,
+                                             spec.max_position_embeddings)
+                             if spec.rope_local is not None else None)
+
+    # ---- loading -----------------------------------------------------------------------
+
+    @classmethod
+    def expected_tensors(cls, spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+        """Every Hugging Face tensor name this architecture reads, with its shape."""
+        h, d = spec.hidden_size, spec.head_dim
+        q, kv, inter = spec.num_attention_heads * d, spec.num_kv_heads * d, spec.intermediate_size
+        out = {"model.embed_tokens.weight": (spec.vocab_size, h), "model.norm.weight": (h,)}
+        if not spec.tie_word_embeddings:
+            out["lm_head.weight"] = (spec.vocab_size, h)
+        for i in range(spec.num_layers):
+            p = f"model.layers.{i}."
+            out.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                        p + "self_attn.o_proj.weight": (h, q), p + "mlp.down_proj.weight": (h, inter)})
+            out.update(cls._projection_names(spec, p, q, kv))
+        return out
+
+    @classmethod
+    def _projection_names(cls, spec: ModelSpec, p: str, q: int, kv: int) -> dict:
+        h, inter = spec.hidden_size, spec.intermediate_size
+        if spec.model_type == "phi3":
+            return {p + "self_attn.qkv_proj.weight": (q + 2 * kv, h),
+                    p + "mlp.gate_up_proj.weight": (2 * inter, h)}
+        out = {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+               p + "self_attn.v_proj.weight": (kv, h), p + "mlp.gate_proj.weight": (inter, h),
+               p + "mlp.up_proj.weight": (inter, h)}
+        if spec.attention_bias:
+            out.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                        p + "self_attn.v_proj.bias": (kv,)})
+        if spec.qk_norm:
+            out.update({p + "self_attn.q_norm.weight": (spec.head_dim,),
+                        p + "self_attn.k_norm.weight": (spec.head_dim,)})
+        return out
+
+    @classmethod
+    def from_weights(cls, spec: ModelSpec, source, dtype: torch.dtype):
+        """Build the model from a checked WeightSource, reading each tensor once."""
+        embed = source.get("model.embed_tokens.weight", dtype)
+        lm_head = embed if spec.tie_word_embeddings else source.get("lm_head.weight", dtype)
+        layers = [cls._load_layer(spec, source, f"model.layers.{i}.", dtype)
+                  for i in range(spec.num_layers)]
+        return cls(spec, embed, layers, source.get("model.norm.weight", dtype), lm_head)
+
+    @classmethod
+    def _load_layer(cls, spec: ModelSpec, source, p: str, dtype: torch.dtype) -> LayerWeights:
+        def get(name):
+            return source.get(p + name, dtype)
+
+        def opt(name):
+            return get(name) if p + name in source.infos else None
+
+        if spec.model_type == "phi3":
+            qkv, gate_up, bias = get("self_attn.qkv_proj.weight"), get("mlp.gate_up_proj.weight"), None
+        else:
+            qkv = torch.cat([get(f"self_attn.{x}_proj.weight") for x in "qkv"])
+            gate_up = torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")])
+            bias = (torch.cat([get(f"self_attn.{x}_proj.bias") for x in "qkv"])
+                    if spec.attention_bias else None)
+        return LayerWeights(
+            input_norm=get("input_layernorm.weight"), qkv=qkv, qkv_bias=bias,
+            o=get("self_attn.o_proj.weight"), q_norm=opt("self_attn.q_norm.weight") if spec.qk_norm else None,
+            k_norm=opt("self_attn.k_norm.weight") if spec.qk_norm else None,
+            post_attn_norm=get("post_attention_layernorm.weight"), gate_up=gate_up,
+            down=get("mlp.down_proj.weight"),
+            pre_ffn_norm=opt("pre_feedforward_layernorm.weight"),
+            post_ffn_norm=opt("post_feedforward_layernorm.weight"))
+
+    # ---- forward -----------------------------------------------------------------------
+
+    @property
+    def weights_bytes(self) -> int:
+        """Bytes of every weight tensor held (tied embeddings counted once)."""
+        tensors = {id(t): t for t in (self.embed_tokens, self.lm_head, self.final_norm)}
+        for layer in self.layers:
+            tensors.update({id(t): t for t in vars(layer).values() if t is not None})
+        return sum(t.nbytes for t in tensors.values())
+
+    def forward(self, step: StepInputs, kv_cache: PagedKVCache, backend: AttentionBackend
+                ) -> torch.Tensor:
+        """Hidden states [R, hidden] (after the final norm) of the rows logits are asked for."""
+        rope = self._step_rope(step, kv_cache)
+        x = self.embed(step.input_ids)  # [T, hidden]
+        for layer_id, w in enumerate(self.layers):
+            x = self.decoder_layer(layer_id, w, x, step, rope, kv_cache, backend)
+        x = x[step.logits_indices]  # only the rows sampled: the lm_head is the largest matmul
+        return self.norm(x, self.final_norm)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [R, vocab] in fp32 from final hidden states [R, hidden]."""
+        return (hidden @ self.lm_head.t()).float()
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens[input_ids]
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, weight, self.spec.rms_norm_eps, self.norm_offset)
+
+    def attention_params(self, layer_id: int, kv_cache: PagedKVCache) -> AttentionParams:
+        layer = kv_cache.layer(layer_id)
+        return AttentionParams(self.spec.head_dim ** -0.5, self.spec.attn_logit_softcapping,
+                               layer.window_tokens, layer.sink_tokens)
+
+    def decoder_layer(self, layer_id, w: LayerWeights, x, step, rope, kv_cache, backend):
+        h = self.norm(x, w.input_norm)
+        x = x + self.attention(layer_id, w, h, step, rope, kv_cache, backend)
+        return x + gated_mlp(self.norm(x, w.post_attn_norm), w.gate_up, w.down, self.act)
+
+    def attention(self, layer_id, w: LayerWeights, h, step: StepInputs, rope: StepRope,
+                  kv_cache: PagedKVCache, backend: AttentionBackend) -> torch.Tensor:
+        """Self-attention of one layer: project, rotate, write the cache, attend, project."""
+        t, d = h.shape[0], self.spec.head_dim
+        qkv = h @ w.qkv.t()
+        if w.qkv_bias is not None:
+            qkv = qkv + w.qkv_bias
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
+        if w.q_norm is not None:
+            q, k = self.norm(q, w.q_norm), self.norm(k, w.k_norm)
+        layer = kv_cache.layer(layer_id)
+        local = self.rotary_local is not None and self.spec.rope_for_layer(layer_id) is self.spec.rope_local
+        cos, sin = rope.tables[("tok", local)]
+        sink = rope.tables.get(("sink", local, layer.group_index))
+        q_sink = apply_rotary(q, *sink) if sink is not None and layer.sink_tokens else None
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        kv_cache.write(layer, k, v, step.groups[layer.group_index].slot_mapping)
+        out = backend.forward(q, q_sink, layer, step.groups[layer.group_index],
+                              self.attention_params(layer_id, kv_cache))
+        return out.reshape(t, self.q_size) @ w.o.t()
+
+    def _step_rope(self, step: StepInputs, kv_cache: PagedKVCache) -> StepRope:
+        """Cos/sin for every token of the step, per rotary in use, computed once per step."""
+        tables = {}
+        for local, rotary in ((False, self.rotary), (True, self.rotary_local)):
+            if rotary is None:
+                continue
+            tables[("tok", local)] = rotary.cos_sin(step.positions, step.rope_seq_lens)
+            for g, group in enumerate(step.groups):
+                if group.sink_query_positions is not None:
+                    tables[("sink", local, g)] = rotary.cos_sin(group.sink_query_positions,
+                                                                step.rope_seq_lens)
+        return StepRope(tables)

@@ -1,0 +1,214 @@
+"""Weight sources: Hugging Face safetensors directories and GGUF files, read lazily.
+
+A `WeightSource` first answers from headers alone (`infos`: name -> shape and type), so that
+`check` can refuse a checkpoint that lacks a tensor, has a wrong shape or an unsupported
+type before any tensor memory is committed. Tensors are then read one at a time:
+
+- safetensors: `safe_open` memory-maps each shard; the index file picks the shards.
+- GGUF: `gguf.GGUFReader` memory-maps the file; quantised blocks are dequantised with
+  `gguf.quants.dequantize`; names are mapped to Hugging Face names; llama.cpp's Q/K row
+  permutation (interleaved RoPE pairs) is undone so the NeoX-style rotary of HF applies;
+  Gemma's norms, stored by llama.cpp as 1 + w, get their 1 taken back.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ctxwarden.checkpoint import Checkpoint, resolve_checkpoint
+from ctxwarden.errors import WeightsError
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "F64": torch.float64}
+_TORCH_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                 "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+_GGUF_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight",
+                "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+_GGUF_LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+               "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+               "attn_qkv": "self_attn.qkv_proj", "attn_q_norm": "self_attn.q_norm",
+               "attn_k_norm": "self_attn.k_norm", "attn_norm": "input_layernorm",
+               "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
+               "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+               "ffn_up_gate": "mlp.gate_up_proj"}
+_GGUF_GEMMA2_LAYER = {**_GGUF_LAYER, "post_attention_norm": "post_attention_layernorm",
+                      "ffn_norm": "pre_feedforward_layernorm",
+                      "post_ffw_norm": "post_feedforward_layernorm"}
+_GGUF_BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype for a config or CLI dtype name (float32/fp32, bfloat16/bf16, ...)."""
+    try:
+        return _TORCH_DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype {name!r} is not one of {sorted(_TORCH_DTYPES)}") from None
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """What a header says about one tensor, under its Hugging Face name."""
+
+    name: str
+    shape: tuple[int, ...]
+    type_name: str  # safetensors dtype (F32, BF16, ...) or GGML type (Q4_1, F16, ...)
+    file: Path
+
+
+class WeightSource:
+    """Tensors of one checkpoint, by Hugging Face name. Headers first, data on `get`."""
+
+    infos: dict[str, TensorInfo]
+
+    def check(self, expected: dict[str, tuple[int, ...]]) -> None:
+        """Refuse missing tensors, wrong shapes and unsupported types, naming each one."""
+        for name, shape in expected.items():
+            info = self.infos.get(name)
+            if info is None:
+                raise WeightsError(self.describe(), name, "is missing from the checkpoint")
+            if info.shape != tuple(shape):
+                raise WeightsError(str(info.file), name,
+                                   f"has shape {list(info.shape)}, the config implies {list(shape)}")
+            if not self.is_supported(info):
+                raise WeightsError(str(info.file), name,
+                                   f"has tensor type {info.type_name}, which cannot be loaded; "
+                                   f"supported: {', '.join(self.supported_types())}")
+
+    def describe(self) -> str:
+        files = sorted({str(i.file) for i in self.infos.values()})
+        return files[0] if len(files) == 1 else f"{len(files)} files ({files[0]}, ...)"
+
+    def is_supported(self, info: TensorInfo) -> bool:
+        return info.type_name in self.supported_types()
+
+    def supported_types(self) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class SafetensorsSource(WeightSource):
+    """Shards of a Hugging Face directory, memory-mapped by `safetensors.safe_open`."""
+
+    def __init__(self, files: tuple[Path, ...]):
+        from safetensors import safe_open
+
+        from ctxwarden.checkpoint import read_safetensors_header
+
+        self.infos = {}
+        self._handles = {}
+        for f in files:
+            for name, meta in read_safetensors_header(f).items():
+                if name != "__metadata__":
+                    self.infos[name] = TensorInfo(name, tuple(meta["shape"]), meta["dtype"], f)
+            self._handles[f] = safe_open(str(f), framework="pt")
+
+    def supported_types(self) -> tuple[str, ...]:
+        return tuple(_SAFETENSORS_DTYPES)
+
+    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        info = self.infos[name]
+        return self._handles[info.file].get_tensor(name).to(dtype)
+
+
+class GGUFSource(WeightSource):
+    """One GGUF file: tensors mapped to HF names and dequantised on `get`."""
+
+    def __init__(self, path: Path, model_type: str, num_heads: int, num_kv_heads: int):
+        from gguf import GGUFReader
+
+        self.path, self.model_type = path, model_type
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self._reader = GGUFReader(str(path))
+        self._tensors, self.infos = {}, {}
+        for t in self._reader.tensors:
+            hf = _gguf_to_hf_name(t.name, model_type)
+            if hf is None:
+                continue  # llama.cpp extras such as rope_freqs: recomputed from the config
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            self.infos[hf] = TensorInfo(hf, shape, t.tensor_type.name, path)
+            self._tensors[hf] = t
+
+    def supported_types(self) -> tuple[str, ...]:
+        from gguf.quants import _type_traits
+
+        return ("F32", "F16", *sorted(q.name for q in _type_traits))
+
+    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        t = self._tensors[name]
+        data = _dequantize(t).reshape(self.infos[name].shape)
+        out = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy
+        if self.model_type in ("llama", "mistral"):
+            if name.endswith("self_attn.q_proj.weight"):
+                out = _unpermute_rope_rows(out, self.num_heads)
+            elif name.endswith("self_attn.k_proj.weight"):
+                out = _unpermute_rope_rows(out, self.num_kv_heads)
+        if self.model_type == "gemma2" and name.endswith("norm.weight"):
+            out = out - 1.0
+        return out.to(dtype)
+
+
+def _dequantize(t) -> np.ndarray:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        return np.asarray(t.data, dtype=np.float32)
+    return dequantize(t.data, t.tensor_type)
+
+
+def _gguf_to_hf_name(name: str, model_type: str) -> str | None:
+    if name in _GGUF_GLOBAL:
+        return _GGUF_GLOBAL[name]
+    m = _GGUF_BLOCK.match(name)
+    table = _GGUF_GEMMA2_LAYER if model_type == "gemma2" else _GGUF_LAYER
+    if m is None or m.group(2) not in table:
+        return None
+    return f"model.layers.{m.group(1)}.{table[m.group(2)]}.{m.group(3)}"
+
+
+def _unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row order: per head, pairs (0, d/2), (1, d/2+1)... interleaved.
+
+    llama.cpp's converter reorders each head's rows as reshape(heads, 2, d/2).swap(1, 2) so
+    that its rotary can rotate adjacent pairs; the inverse restores the half-split order.
+    """
+    rows = w.shape[0]
+    half = rows // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def open_weights(ckpt: Checkpoint) -> WeightSource:
+    """A lazy weight source for a resolved checkpoint (safetensors or GGUF)."""
+    if ckpt.format == "safetensors":
+        return SafetensorsSource(ckpt.weight_files)
+    if ckpt.format == "gguf":
+        spec = ckpt.spec
+        return GGUFSource(ckpt.weight_files[0], spec.model_type, spec.num_attention_heads,
+                          spec.num_kv_heads)
+    raise WeightsError(str(ckpt.path), "<all>",
+                       "the checkpoint has no weight files (*.safetensors or .gguf); it can be "
+                       "planned but not run. Build one with `ctxwarden make-model`.")
+
+
+def load_model(model: str | Path | Checkpoint | None = None, dtype: str = "float32"):
+    """Load a checkpoint (HF dir, config.json dir, .gguf, or None = default) for inference.
+
+    Order matters: the architecture and every tensor's name, shape and type are checked
+    from headers first, so a bad checkpoint fails before any weight memory is committed.
+    """
+    from ctxwarden.models.registry import model_class
+
+    ckpt = model if isinstance(model, Checkpoint) else resolve_checkpoint(model)
+    cls = model_class(ckpt.spec, str(ckpt.path))
+    source = open_weights(ckpt)
+    source.check(cls.expected_tensors(ckpt.spec))
+    with torch.inference_mode():
+        return cls.from_weights(ckpt.spec, source, torch_dtype(dtype))

@@ -1,0 +1,21 @@
+"""Which class runs which `model_type`."""
+
+from __future__ import annotations
+
+from ctxwarden.config import ModelSpec
+from ctxwarden.errors import UnsupportedArchitecture
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2")
+
+
+def model_class(spec: ModelSpec, source: str):
+    """The model class for `spec.model_type`; UnsupportedArchitecture (naming it) otherwise."""
+    if spec.model_type == "gemma2":
+        from ctxwarden.models.gemma2 import Gemma2ForCausalLM
+
+        return Gemma2ForCausalLM
+    if spec.model_type in ("llama", "mistral", "qwen2", "qwen3", "phi3"):
+        from ctxwarden.models.llama import LlamaForCausalLM
+
+        return LlamaForCausalLM
+    raise UnsupportedArchitecture(source, spec.model_type, SUPPORTED_MODEL_TYPES)

@@ -1,0 +1,146 @@
+"""Paged attention behind one interface, so a faster backend can replace this one.
+
+`TorchPagedAttention` is the reference backend: gather the keys a query may read from the
+pool through its block table, then attend densely. Two paths (costs in
+docs/attention-backends.md):
+
+- decode (every sequence has one new token): one padded gather [B, M] and a plain GQA
+  matmul (q grouped per KV head), because SDPA's single-query path is many times slower
+  on CPU, bf16 worst of all;
+- prefill / chunks / mixed batches: per sequence, SDPA over the gathered keys with an
+  explicit mask (is_causal when the chunk starts the sequence), or an eager matmul in query
+  blocks when the layer needs what SDPA cannot do (logit soft-capping, sink re-positioning).
+
+Masking rule for a query at position p and a key at position k:
+    k <= p  and  (window is None  or  p - k < window  or  k < sink_tokens)
+Sink keys are scored against the query rotated at min(p, sinks + window - 1) (StreamingLLM).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ctxwarden.runner.inputs import DecodeKeys, GroupInputs, SequenceKeys
+from ctxwarden.runner.kv_cache import LayerKV
+
+_EAGER_QUERY_BLOCK = 256  # query rows per eager block: bounds scores to 256 x keys x heads
+
+
+@dataclass(frozen=True)
+class AttentionParams:
+    """What a layer adds to the masking rule: scale, soft-cap, window, sinks."""
+
+    scale: float
+    softcap: float | None = None
+    window_tokens: int | None = None
+    sink_tokens: int = 0
+
+
+class AttentionBackend:
+    """Interface: attend new queries [T, Hq, D] over a layer's paged keys -> [T, Hq, D]."""
+
+    name = "abstract"
+
+    def forward(self, q: torch.Tensor, q_sink: torch.Tensor | None, kv: LayerKV,
+                group: GroupInputs, params: AttentionParams) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TorchPagedAttention(AttentionBackend):
+    """Gather + SDPA for prefill, gather + GQA matmul for decode (see module docstring)."""
+
+    name = "torch"
+
+    def forward(self, q, q_sink, kv, group, params):
+        """Attention output [T, Hq, D] for the step's queries, in the batch's row order."""
+        flat_k = kv.key.view(-1, *kv.key.shape[2:])  # [slots, Hkv, D]
+        flat_v = kv.value.view(-1, *kv.value.shape[2:])
+        if group.decode is not None:
+            return _decode(q, q_sink, flat_k, flat_v, group.decode, params)
+        out = torch.empty_like(q)
+        for s in group.sequences:
+            rows = slice(s.query_start, s.query_end)
+            qs = None if q_sink is None else q_sink[rows]
+            out[rows] = _prefill_one(q[rows], qs, flat_k, flat_v, s, params)
+        return out
+
+
+def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, params: AttentionParams) -> torch.Tensor:
+    """Boolean mask [..., n, m] of the masking rule for query/key positions."""
+    dist = q_pos[..., :, None] - k_pos[..., None, :]
+    ok = dist >= 0
+    if params.window_tokens is not None:
+        in_window = dist < params.window_tokens
+        if params.sink_tokens:
+            in_window = in_window | (k_pos[..., None, :] < params.sink_tokens)
+        ok = ok & in_window
+    return ok
+
+
+def _prefill_one(q, q_sink, flat_k, flat_v, s: SequenceKeys, params: AttentionParams):
+    k = flat_k[s.key_slots].to(q.dtype)  # [m, Hkv, D]: the gather
+    v = flat_v[s.key_slots].to(q.dtype)
+    if params.softcap is None and q_sink is None:
+        return _sdpa(q, k, v, s, params)
+    outs = []
+    for start in range(0, q.shape[0], _EAGER_QUERY_BLOCK):
+        rows = slice(start, start + _EAGER_QUERY_BLOCK)
+        mask = _allowed(s.query_positions[rows], s.key_positions, params)  # [n, m]
+        qs = None if q_sink is None else q_sink[rows]
+        sink_keys = (s.key_positions < params.sink_tokens).view(1, 1, 1, 1, -1)
+        outs.append(_eager(q[rows][None], qs if qs is None else qs[None], k[None], v[None],
+                           mask[None], sink_keys, params)[0])
+    return torch.cat(outs)
+
+
+def _sdpa(q, k, v, s: SequenceKeys, params: AttentionParams):
+    n, m = q.shape[0], k.shape[0]
+    # A chunk that starts the sequence with no window cut is plain causal attention: no
+    # mask tensor at all. Otherwise an explicit [n, m] mask (chunks, windows).
+    if s.num_cached_tokens == 0 and n == m and (params.window_tokens or n) >= n:
+        mask, causal = None, True
+    else:
+        mask, causal = _allowed(s.query_positions, s.key_positions, params), False
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        attn_mask=mask, is_causal=causal, scale=params.scale, enable_gqa=True)
+    return out[0].transpose(0, 1)  # [n, Hq, D]
+
+
+def _eager(q, q_sink, k, v, mask, sink_keys, params: AttentionParams):
+    """Dense attention with GQA grouping. q [B, n, Hq, D], k/v [B, m, Hkv, D], mask [B, n, m]."""
+    b, n, hq, d = q.shape
+    hkv = k.shape[2]
+    group = hq // hkv
+    kt = k.permute(0, 2, 3, 1)  # [B, Hkv, D, m]
+    scores = _grouped(q, b, n, hkv, group, d) @ kt[:, :, None]  # [B, Hkv, G, n, m]
+    if q_sink is not None:
+        sink_scores = _grouped(q_sink, b, n, hkv, group, d) @ kt[:, :, None]
+        scores = torch.where(sink_keys, sink_scores, scores)  # sink_keys [B, 1, 1, 1, m]
+    scores = scores * params.scale
+    if params.softcap is not None:
+        scores = torch.tanh(scores / params.softcap) * params.softcap
+    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    out = probs @ v.permute(0, 2, 1, 3)[:, :, None]  # [B, Hkv, G, n, D]
+    return out.reshape(b, hq, n, d).transpose(1, 2)  # [B, n, Hq, D]
+
+
+def _grouped(q, b, n, hkv, group, d):
+    # [B, n, Hq, D] -> [B, Hkv, G, n, D]: query heads that share a KV head side by side
+    return q.reshape(b, n, hkv, group, d).permute(0, 2, 3, 1, 4)
+
+
+def _decode(q, q_sink, flat_k, flat_v, dk: DecodeKeys, params: AttentionParams):
+    k = flat_k[dk.key_slots].to(q.dtype)  # [B, M, Hkv, D]
+    v = flat_v[dk.key_slots].to(q.dtype)
+    mask = _allowed(dk.query_positions[:, None], dk.key_positions, params)[:, 0] & dk.is_valid
+    sink_keys = None
+    if q_sink is not None:
+        sink_keys = (dk.key_positions < params.sink_tokens)[:, None, None, None, :]  # [B,1,1,1,M]
+    out = _eager(q[:, None], None if q_sink is None else q_sink[:, None], k, v, mask[:, None],
+                 sink_keys, params)
+    return out[:, 0]  # [B, Hq, D]

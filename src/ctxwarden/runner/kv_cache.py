@@ -1,0 +1,85 @@
+"""The paged KV pool: one set of K/V tensors per layer slot of a group, allocated once.
+
+    layout.groups:  g0 = layers (0, 2, 4)   g1 = layers (1, 3, 5)     layers_per_group = 3
+    tensors:        pair 0 serves layers 0 and 1, pair 1 layers 2 and 3, pair 2 layers 4, 5
+    each tensor:    [num_blocks, block_size, num_kv_heads, head_dim]
+
+A block id is a page of the one pool: in group g it holds block_size tokens of every layer
+of g (one row of each tensor pair). Two groups never hold the same block id at the same
+time (the block manager's job), so groups sharing tensor pairs never overwrite each other.
+Total bytes = num_blocks * layout.page_bytes, exactly the planner's kv_pool_bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ctxwarden.plan.kv import KVLayout
+
+_KV_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+              "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+def kv_torch_dtype(kv_dtype: str) -> torch.dtype:
+    """The torch dtype of a KV dtype name; fp8 is planned for but not stored by this runner."""
+    try:
+        return _KV_DTYPES[kv_dtype.lower()]
+    except KeyError:
+        raise ValueError(f"kv dtype {kv_dtype!r} cannot be allocated by the torch runner; "
+                         f"use one of {sorted(_KV_DTYPES)}") from None
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """One layer's view of the pool: its tensor pair and its group's window rules."""
+
+    key: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value: torch.Tensor
+    group_index: int
+    window_tokens: int | None
+    sink_tokens: int
+
+
+class PagedKVCache:
+    """K/V tensors for `num_blocks` pages of `layout`, allocated (and touched) once."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int, num_kv_heads: int, head_dim: int,
+                 kv_dtype: str = "fp32", device: str | torch.device = "cpu"):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}; give the KV pool "
+                             "more memory or lower the block size")
+        self.layout, self.num_blocks = layout, num_blocks
+        self.block_size = layout.block_size
+        dtype = kv_torch_dtype(kv_dtype)
+        shape = (num_blocks, layout.block_size, num_kv_heads, head_dim)
+        # zeros, not empty: the first touch of fresh pages is slow on these VMs, so pay it
+        # here once rather than inside the first long prefill.
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device)
+                     for _ in range(layout.layers_per_group)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device)
+                       for _ in range(layout.layers_per_group)]
+        self._slot_of_layer = {layer: (g_index, j)
+                               for g_index, g in enumerate(layout.groups)
+                               for j, layer in enumerate(g.layer_ids)}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every KV tensor allocated (equals num_blocks * layout.page_bytes)."""
+        return sum(t.nbytes for t in self.keys) + sum(t.nbytes for t in self.values)
+
+    def layer(self, layer_id: int) -> LayerKV:
+        """The tensor pair and window rules of model layer `layer_id`."""
+        g_index, j = self._slot_of_layer[layer_id]
+        group = self.layout.groups[g_index]
+        sinks = self.layout.sink_tokens if group.window_tokens else 0
+        return LayerKV(self.keys[j], self.values[j], g_index, group.window_tokens, sinks)
+
+    def write(self, layer: LayerKV, key: torch.Tensor, value: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+        """Store new tokens' key/value [T, kv_heads, head_dim] at flat slots [T]."""
+        flat_k = layer.key.view(-1, *layer.key.shape[2:])
+        flat_v = layer.value.view(-1, *layer.value.shape[2:])
+        flat_k.index_copy_(0, slot_mapping, key.to(flat_k.dtype))
+        flat_v.index_copy_(0, slot_mapping, value.to(flat_v.dtype))

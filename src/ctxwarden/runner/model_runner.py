@@ -1,0 +1,71 @@
+"""ModelRunner: a loaded model, its paged KV pool, and `forward(batch) -> logits`.
+
+Algorithm of one step: build StepInputs from the ForwardBatch (slot mappings and key
+gathers per KV group), run the model layer by layer (each layer writes its new K/V into the
+pool, then attends through the block tables), and return fp32 logits for the rows asked
+for only. The runner owns no scheduling state: which blocks a sequence holds is the block
+manager's business, handed in through the block tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ctxwarden.checkpoint import Checkpoint, resolve_checkpoint
+from ctxwarden.plan.kv import KVLayout, kv_layout
+from ctxwarden.runner.attention import AttentionBackend, TorchPagedAttention
+from ctxwarden.runner.inputs import ForwardBatch, build_step_inputs
+from ctxwarden.runner.kv_cache import PagedKVCache
+
+_BACKENDS = {"torch": TorchPagedAttention}
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """How to run a model: pool size, page size, dtypes, window mode, attention backend."""
+
+    num_blocks: int
+    block_size: int = 16
+    kv_dtype: str = "fp32"
+    dtype: str = "float32"  # weights and activations
+    window_tokens: int | None = None  # sink mode: rolling window after the sinks
+    sink_tokens: int = 0
+    attention_backend: str = "torch"
+
+    def __post_init__(self):
+        if self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.attention_backend not in _BACKENDS:
+            raise ValueError(f"attention_backend {self.attention_backend!r} is not one of "
+                             f"{sorted(_BACKENDS)}")
+        if self.sink_tokens and not self.window_tokens:
+            raise ValueError("sink_tokens needs window_tokens (the rolling window after the sinks)")
+
+
+class ModelRunner:
+    """Runs one model over a paged KV cache of `config.num_blocks` pages."""
+
+    def __init__(self, model: str | Path | Checkpoint | None, config: RunnerConfig):
+        from ctxwarden.models.loader import load_model
+
+        self.checkpoint = model if isinstance(model, Checkpoint) else resolve_checkpoint(model)
+        self.config = config
+        self.spec = self.checkpoint.spec
+        self.layout: KVLayout = kv_layout(self.spec, config.kv_dtype, config.block_size,
+                                          config.window_tokens, config.sink_tokens)
+        self.model = load_model(self.checkpoint, config.dtype)
+        self.kv_cache = PagedKVCache(self.layout, config.num_blocks, self.spec.num_kv_heads,
+                                     self.spec.head_dim, config.kv_dtype)
+        self.backend: AttentionBackend = _BACKENDS[config.attention_backend]()
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run one step; logits [batch.num_logits_rows, vocab] fp32, sequences in order."""
+        step = build_step_inputs(batch, self.layout, self.config.num_blocks)
+        hidden = self.model.forward(step, self.kv_cache, self.backend)
+        return self.model.compute_logits(hidden)

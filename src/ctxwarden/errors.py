@@ -58,3 +58,13 @@ class KVCapacityExceeded(CtxwardenError, ValueError):
             f"{num_blocks} (the longest sequence it can hold is {max_context_tokens} tokens). "
             f"Give the engine more kv_memory, shorten the prompt, or lower max_tokens."
         )
+
+
+class InvalidSamplingParams(CtxwardenError, ValueError):
+    """A sampling parameter is outside its accepted range (an HTTP 400 with `param` = field)."""
+
+    def __init__(self, field: str, value: object, accepted: str):
+        self.field = field
+        self.value = value
+        self.accepted = accepted
+        super().__init__(f"Invalid sampling parameter '{field}' = {value!r}: must be {accepted}.")

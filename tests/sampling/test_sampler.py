@@ -177,3 +177,16 @@ def test_prompt_logprobs_score_each_next_token_across_chunks():
 def test_logits_shape_must_match_rows():
     with pytest.raises(ValueError, match="num_rows=2"):
         SAMPLER.sample(torch.zeros(3, 5), [SamplingRow(SamplingParams.greedy())] * 2)
+
+
+def test_top_p_on_a_flat_distribution_past_the_candidate_window():
+    """3,000 near-equal tokens: top-p's cutoff lies beyond the first 1,024 candidates."""
+    logits = torch.randn(3000, generator=torch.Generator().manual_seed(6)) * 0.3
+    params = SamplingParams(temperature=1.0, top_p=0.8)
+    rows = _rows(params, 256) + [SamplingRow(SamplingParams(top_p=0.5),
+                                             generator=make_generator(1))]
+    picks = SAMPLER.sample(logits.expand(257, 3000), rows).token_ids
+    allowed = _allowed(logits, 1.0, 0, 0.8, 0.0)
+    assert 1024 < int(allowed.sum()) < 3000  # the filter is active, its cutoff deep
+    assert all(allowed[t] for t in picks[:256])
+    assert allowed[picks[256]]  # a top_p=0.5 row keeps a subset of the 0.8 set

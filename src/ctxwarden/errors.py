@@ -135,3 +135,12 @@ class UnsupportedArchitecture(CtxwardenError, ValueError):
             f"{source}: architecture {model_type!r} cannot be run; the runner implements "
             f"{', '.join(supported)}. (`ctxwarden plan` still works for any config.)"
         )
+
+class InvalidSamplingParams(CtxwardenError, ValueError):
+    """A sampling parameter is outside its accepted range (an HTTP 400 with `param` = field)."""
+
+    def __init__(self, field: str, value: object, accepted: str):
+        self.field = field
+        self.value = value
+        self.accepted = accepted
+        super().__init__(f"Invalid sampling parameter '{field}' = {value!r}: must be {accepted}.")

@@ -1,0 +1,40 @@
+"""When does a sequence finish? One decision per step, after its new token is known.
+
+Order of checks, as vLLM does: EOS (unless ignore_eos), a stop token id, a stop string
+(found by the detokenizer), then max_tokens. A stop wins over length when both happen on
+the same step, since the model did choose to stop.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Collection
+
+from ctxwarden.sampling.params import SamplingParams
+
+
+class FinishReason(str, Enum):
+    """Why a sequence ended, spelled as the OpenAI API spells it (compares equal to str)."""
+
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens reached
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def check_finish(params: SamplingParams, last_token_id: int, num_output_tokens: int,
+                 eos_token_ids: Collection[int] = (),
+                 stop_string: str | None = None) -> FinishReason | None:
+    """Decide whether the sequence ends after its newest token; None means keep going.
+
+    `num_output_tokens` counts the newest token; `eos_token_ids` are the model's EOS ids
+    (several for some chat models); `stop_string` is the detokenizer's matched stop string.
+    """
+    if not params.ignore_eos and last_token_id in eos_token_ids:
+        return FinishReason.STOP
+    if last_token_id in params.stop_token_ids or stop_string is not None:
+        return FinishReason.STOP
+    if num_output_tokens >= params.max_tokens:
+        return FinishReason.LENGTH
+    return None

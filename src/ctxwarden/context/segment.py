@@ -26,7 +26,7 @@ SENTENCE = 5
 PARAGRAPH = 6
 LEVEL_NAMES = {"paragraph": PARAGRAPH, "sentence": SENTENCE, "token": TOKEN}
 
-_WHITESPACE = np.array([9, 10, 11, 12, 13, 32, 0x85, 0xA0, 0x1680, *range(0x2000, 0x200B),
+WHITESPACE_CODEPOINTS = np.array([9, 10, 11, 12, 13, 32, 0x85, 0xA0, 0x1680, *range(0x2000, 0x200B),
                         0x2028, 0x2029, 0x202F, 0x205F, 0x3000], dtype=np.uint32)
 _CJK_RANGES = ((0x3040, 0x30FF), (0x3400, 0x4DBF), (0x4E00, 0x9FFF), (0xF900, 0xFAFF),
                (0xFF66, 0xFF9F), (0x20000, 0x2FA1F))
@@ -57,7 +57,7 @@ def boundary_levels(text: str) -> np.ndarray:
     if n == 0:
         return levels
     cp = codepoints(text)
-    ws = np.isin(cp, _WHITESPACE)
+    ws = np.isin(cp, WHITESPACE_CODEPOINTS)
     _mark_words(levels, cp, ws)
     _mark_clauses(levels, cp, ws)
     _mark_lines(levels, cp)

@@ -144,3 +144,35 @@ class InvalidSamplingParams(CtxwardenError, ValueError):
         self.value = value
         self.accepted = accepted
         super().__init__(f"Invalid sampling parameter '{field}' = {value!r}: must be {accepted}.")
+
+class UnknownTokenizer(CtxwardenError, ValueError):
+    """A tokenizer name or path that is neither a known name nor a tokenizer file."""
+
+    def __init__(self, name: str, available: list[str], hint: str = ""):
+        self.name = name
+        self.available = available
+        msg = (f"Unknown tokenizer {name!r}. Available names: {', '.join(available)}; or pass a path "
+               "to a Hugging Face directory (tokenizer.json), a tokenizer.json file or a .gguf file.")
+        super().__init__(msg + (f" ({hint})" if hint else ""))
+
+
+class FragmentError(CtxwardenError, ValueError):
+    """A context fragment is invalid; the message names the fragment and the field."""
+
+    def __init__(self, fragment_id: str, field: str, problem: str):
+        self.fragment_id = fragment_id
+        self.field = field
+        self.problem = problem
+        super().__init__(f"fragment {fragment_id!r}: field '{field}': {problem}")
+
+
+class RequiredContextExceeded(CtxwardenError, ValueError):
+    """Required context fragments need more tokens than the budget holds."""
+
+    def __init__(self, budget_tokens: int, required_tokens: int, fragment_ids: list[str]):
+        self.budget_tokens = budget_tokens
+        self.required_tokens = required_tokens
+        self.fragment_ids = fragment_ids
+        super().__init__(
+            f"The required fragments ({', '.join(fragment_ids)}) need {required_tokens} tokens but "
+            f"the budget is {budget_tokens}. Raise the budget, shorten them, or mark fewer as required.")

@@ -1,0 +1,1 @@
+"""Context toolkit (client side, no torch): count, fit, chunk and assemble text for a window."""

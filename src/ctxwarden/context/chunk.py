@@ -1,0 +1,168 @@
+"""Split text into chunks of at most `max_tokens` tokens, at the strongest boundary that fits.
+
+Algorithm (one encoding, one re-count per chunk, no recursion):
+  1. Encode the whole text once: `Tokenizer.cuts` gives the positions between tokens that are
+     also character boundaries, with the token count before each.
+  2. Look up the boundary level of each cut (`segment.boundary_levels`: paragraph > sentence >
+     line > clause > word > token > inside a grapheme).
+  3. From the chunk's start, the furthest cut within max_tokens bounds the chunk. Walk the
+     levels from the strongest allowed down; take the last cut of the first level that fills
+     at least half the cap (so a paragraph break 10 tokens in does not make a 10-token chunk).
+  4. Re-encode the chosen piece alone (BPE can differ at the edges). If it is over the cap,
+     pull the end back by the excess and re-count again; this converges in a step or two.
+  5. The next chunk starts `overlap_tokens` before the end, at a word boundary when one is
+     close.
+Every chunk is text[start:end] exactly, so offsets are true character offsets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ctxwarden.context import segment
+from ctxwarden.context.tokenizers import Tokenizer, TokenCuts
+
+MIN_FILL_FRACTION = 0.5  # a boundary is taken only if the chunk it ends is at least this full
+BOUNDARIES = ("paragraph", "sentence", "token")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One chunk: `text == source[start:end]` and `tokens` is its own re-counted length."""
+
+    text: str
+    start: int  # character offset in the source text, inclusive
+    end: int  # character offset, exclusive
+    tokens: int
+
+    def to_dict(self) -> dict:
+        """JSON-ready form: text, start, end, tokens."""
+        return {"text": self.text, "start": self.start, "end": self.end, "tokens": self.tokens}
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """Validated chunking parameters."""
+
+    max_tokens: int
+    overlap_tokens: int = 0
+    boundaries: str = "paragraph"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not isinstance(self.overlap_tokens, int) or not 0 <= self.overlap_tokens < self.max_tokens:
+            raise ValueError(f"overlap_tokens must be in [0, max_tokens={self.max_tokens}), got "
+                             f"{self.overlap_tokens!r}; lower the overlap or raise max_tokens")
+        if self.boundaries not in BOUNDARIES:
+            raise ValueError(f"boundaries must be one of {', '.join(BOUNDARIES)}, got {self.boundaries!r}")
+
+
+class ChunkTooSmall(ValueError):
+    """A single character (or grapheme piece) needs more tokens than max_tokens allows."""
+
+
+def chunk(text: str, max_tokens: int, tokenizer: Tokenizer, overlap_tokens: int = 0,
+          boundaries: str = "paragraph") -> list[Chunk]:
+    """Split `text` into chunks of at most `max_tokens` tokens (re-counted, exact).
+
+    `boundaries` is the strongest boundary preferred: "paragraph" (then sentence, line,
+    clause, word, token), "sentence" (sentence down to token) or "token" (fill every chunk).
+    `overlap_tokens` tokens of each chunk's end are repeated at the next chunk's start.
+    """
+    spec = ChunkSpec(max_tokens, overlap_tokens, boundaries)
+    if not text:
+        return []
+    cuts = tokenizer.cuts(text)
+    levels = segment.boundary_levels(text)[cuts.cut_chars]
+    planner = _Planner(text, cuts, levels, spec, tokenizer)
+    return planner.run()
+
+
+class _Planner:
+    """The chunk loop over one text's cuts (state kept here so each step stays small)."""
+
+    def __init__(self, text: str, cuts: TokenCuts, levels: np.ndarray, spec: ChunkSpec, tokenizer: Tokenizer):
+        self.text, self.cuts, self.levels, self.spec, self.tokenizer = text, cuts, levels, spec, tokenizer
+        self.top_level = segment.LEVEL_NAMES[spec.boundaries]
+        self.last = len(cuts.cut_chars) - 1
+
+    def run(self) -> list[Chunk]:
+        out: list[Chunk] = []
+        i = 0
+        while True:
+            end = self._choose_end(i)
+            piece = self._fit_recounted(i, end)
+            out.append(piece.chunk)
+            if piece.end_index == self.last:
+                return out
+            i = self._next_start(i, piece.end_index)
+
+    def _limit(self, i: int) -> int:
+        """The furthest cut whose one-pass token count from cut i is within the cap."""
+        tok = self.cuts.cut_tokens
+        limit = int(np.searchsorted(tok, tok[i] + self.spec.max_tokens, side="right")) - 1
+        if limit <= i:
+            self._too_small(i)
+        return limit
+
+    def _choose_end(self, i: int) -> int:
+        limit = self._limit(i)
+        if limit == self.last:
+            return limit
+        window = self.levels[i + 1: limit + 1]
+        tok = self.cuts.cut_tokens
+        min_fill = tok[i] + MIN_FILL_FRACTION * self.spec.max_tokens
+        for level in range(self.top_level, segment.TOKEN - 1, -1):
+            hits = np.nonzero(window >= level)[0]
+            if len(hits) and tok[i + 1 + hits[-1]] >= min_fill:
+                return i + 1 + int(hits[-1])
+        usable = np.nonzero(window >= segment.TOKEN)[0]
+        return i + 1 + int(usable[-1]) if len(usable) else limit  # else only inside-grapheme cuts
+
+    def _fit_recounted(self, i: int, end: int) -> "_Piece":
+        """Re-count text[cut i : cut end]; while over the cap, pull the end back by the excess."""
+        chars, tok = self.cuts.cut_chars, self.cuts.cut_tokens
+        while True:
+            start_char, end_char = int(chars[i]), int(chars[end])
+            piece = self.text[start_char:end_char]
+            n = self.tokenizer.count(piece)
+            if n <= self.spec.max_tokens:
+                return _Piece(Chunk(piece, start_char, end_char, n), end)
+            if end == i + 1:
+                self._too_small(i)
+            target = tok[end] - (n - self.spec.max_tokens)
+            end = max(i + 1, min(end - 1, int(np.searchsorted(tok, target, side="right")) - 1))
+            end = self._snap_back(i, end)
+
+    def _snap_back(self, i: int, end: int) -> int:
+        """The last cut at or before `end` that is not inside a grapheme, if there is one."""
+        usable = np.nonzero(self.levels[i + 1: end + 1] >= segment.TOKEN)[0]
+        return i + 1 + int(usable[-1]) if len(usable) else end
+
+    def _next_start(self, i: int, end: int) -> int:
+        """Start of the next chunk: `overlap_tokens` before `end`, on a word boundary if near."""
+        if self.spec.overlap_tokens == 0:
+            return end
+        tok = self.cuts.cut_tokens
+        j = max(i + 1, int(np.searchsorted(tok, tok[end] - self.spec.overlap_tokens, side="left")))
+        if j >= end:
+            return end
+        words = np.nonzero(self.levels[j:end] >= segment.WORD)[0]
+        return j + int(words[0]) if len(words) else j
+
+    def _too_small(self, i: int) -> None:
+        pos = int(self.cuts.cut_chars[i])
+        raise ChunkTooSmall(
+            f"max_tokens={self.spec.max_tokens} is too small: the text at character {pos} "
+            f"({self.text[pos:pos + 8]!r}) cannot be cut into pieces of that many "
+            f"{self.tokenizer.name} tokens without splitting a character. Raise max_tokens "
+            "(4 or more always fits a single character in byte-level tokenizers).")
+
+
+@dataclass(frozen=True)
+class _Piece:
+    chunk: Chunk
+    end_index: int

@@ -238,7 +238,8 @@ class Engine:
         if req.prompt_logprobs is None:
             req.prompt_logprobs = [None]  # the first prompt token has no context
         if targets:
-            req.prompt_logprobs += prompt_logprobs(rows[:len(targets)], targets, req.params.prompt_logprobs)
+            window = req.prompt_token_ids[start:start + 1 + len(targets)]  # row i predicts i + 1
+            req.prompt_logprobs += prompt_logprobs(rows[:len(targets)], window, req.params.prompt_logprobs)
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[StepOutput]:
         rows = [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.sampling_state.generator)
@@ -264,7 +265,7 @@ class Engine:
             if detok is not None and not detok.is_finished:
                 delta += detok.flush()
             req.stop_reason = stop_string or (token if token in req.params.stop_token_ids else None)
-            self._finish(req, FinishReason(str(reason.value if hasattr(reason, "value") else reason)))
+            self._finish(req, FinishReason(str(reason)))
         req.output_text += delta
         return self._output(req, (token,), delta, (scored,) if req.params.logprobs is not None else ())
 
@@ -331,7 +332,7 @@ class Engine:
 def _leaked_blocks(audit) -> int:
     if audit is None:
         return 0
-    return sum(len(o.block_ids) for o in getattr(audit, "owners", ()) if getattr(o, "is_leak", False))
+    return sum(o.num_blocks for o in audit.owners if not o.is_live)
 
 
 def _load_tokenizer(checkpoint):

@@ -15,11 +15,13 @@ import sys
 COMMANDS = {
     "plan": "plan",
     "make-model": "make_model",
+    "generate": "generate",
 }
 
 _HELP = {
     "plan": "Exact KV-cache and memory plan for a model and a budget.",
     "make-model": "Write a random-weight Hugging Face checkpoint (and a trained BPE tokenizer).",
+    "generate": "Generate text for one prompt with the paged engine.",
 }
 
 

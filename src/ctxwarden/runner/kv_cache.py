@@ -83,3 +83,17 @@ class PagedKVCache:
         flat_v = layer.value.view(-1, *layer.value.shape[2:])
         flat_k.index_copy_(0, slot_mapping, key.to(flat_k.dtype))
         flat_v.index_copy_(0, slot_mapping, value.to(flat_v.dtype))
+
+    def read_page(self, block_id: int) -> torch.Tensor:
+        """A copy of one page across every tensor pair: [2, layers_per_group, block, heads, dim].
+
+        Used to swap a preempted sequence to host memory; `write_page` puts it back.
+        """
+        return torch.stack([torch.stack([k[block_id] for k in self.keys]),
+                            torch.stack([v[block_id] for v in self.values])])
+
+    def write_page(self, block_id: int, page: torch.Tensor) -> None:
+        """Restore a page saved by `read_page` into block `block_id`."""
+        for j, (k, v) in enumerate(zip(self.keys, self.values)):
+            k[block_id].copy_(page[0, j])
+            v[block_id].copy_(page[1, j])

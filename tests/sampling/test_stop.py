@@ -25,3 +25,14 @@ def test_length_at_exactly_max_tokens_and_stop_wins_a_tie():
     assert check_finish(params, 5, 4) == "length"
     assert check_finish(params, EOS, 4, eos_token_ids=[EOS]) == "stop"
     assert str(FinishReason.LENGTH) == "length"
+
+
+def test_params_stop_and_detokenize_import_without_torch():
+    """The server validates params and streams text without loading torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys, ctxwarden.sampling, ctxwarden.sampling.detokenize; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

@@ -189,4 +189,6 @@ def test_top_p_on_a_flat_distribution_past_the_candidate_window():
     allowed = _allowed(logits, 1.0, 0, 0.8, 0.0)
     assert 1024 < int(allowed.sum()) < 3000  # the filter is active, its cutoff deep
     assert all(allowed[t] for t in picks[:256])
+    rank = logits.argsort(descending=True).argsort()
+    assert max(rank[t] for t in picks[:256]) >= 1024  # the deep part is reachable too
     assert allowed[picks[256]]  # a top_p=0.5 row keeps a subset of the 0.8 set

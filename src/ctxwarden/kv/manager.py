@@ -192,11 +192,13 @@ class KVCacheManager:
         needs only what a step starting at token k*bs reads: its sink blocks and the blocks
         from first_needed_block(k*bs) to k-1; the rest of its table stays None.
         """
-        lookup = self.pool.lookup
-        found = [[lookup((g, h)) for h in chain] for g in range(self.layout.num_groups)]
         k = len(chain)
-        for ids in (f for f, g in zip(found, self.layout.groups) if g.window_tokens is None):
-            k = min(k, next((j for j, b in enumerate(ids) if b is None), len(ids)))
+        found = []
+        for g, group in enumerate(self.layout.groups):
+            ids = self._lookup_run(g, chain[:k]) if group.window_tokens is None else \
+                [self.pool.lookup((g, h)) for h in chain]
+            k = min(k, len(ids)) if group.window_tokens is None else k
+            found.append(ids)
         runs = [_runs_ending_at(ids) for ids in found]
         while k > 0 and not all(self._group_serves(g, found[g], runs[g], k)
                                 for g in range(self.layout.num_groups)):
@@ -206,6 +208,16 @@ class KVCacheManager:
             self.num_cross_namespace_hits += 1  # never served: treat it as a miss
             return [[] for _ in tables]
         return tables
+
+    def _lookup_run(self, g: int, chain: list[BlockHash]) -> list[int | None]:
+        """Cached blocks of a full group up to the first miss (a full group can use no more)."""
+        ids, lookup = [], self.pool.lookup
+        for h in chain:
+            b = lookup((g, h))
+            if b is None:
+                break
+            ids.append(b)
+        return ids
 
     def _group_serves(self, g: int, ids: list[int | None], runs: list[int], k: int) -> bool:
         window = self.layout.groups[g].window_tokens

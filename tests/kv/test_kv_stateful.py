@@ -81,6 +81,19 @@ class KVMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
+    def abort_a_step(self, data):
+        """The runner failed: only num_computed tokens were written; the rest is garbage."""
+        seq = data.draw(st.sampled_from(sorted(self.tokens)))
+        computed = data.draw(st.integers(0, self.m.num_tokens(seq)))
+        for table in self.m.block_tables(seq):
+            for b in table[computed // self.bs:]:
+                if b is not None and self.m.pool.ref_count(b) == 1:
+                    self.content.pop(b, None)  # a hit on it would now fail the check
+        self.m.free(seq, num_computed_tokens=computed)
+        self._forget(seq)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
     def preempt_and_recompute(self, data):
         seq = data.draw(st.sampled_from(sorted(self.tokens)))
         tokens, ns = self.tokens[seq], self.namespace[seq]

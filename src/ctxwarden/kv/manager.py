@@ -302,15 +302,20 @@ class KVCacheManager:
 
     # --- free -----------------------------------------------------------------------------
 
-    def free(self, seq_id: Hashable) -> None:
+    def free(self, seq_id: Hashable, num_computed_tokens: int | None = None) -> None:
         """Release every block of `seq_id` now. Full blocks stay cached (evictable, LRU).
 
         Blocks are released tail first, so the tail of the hash chain is evicted before its
-        head. Raises DoubleFree for an id freed before, UnknownSequence for one never seen.
+        head. After an aborted or failed step pass `num_computed_tokens` (tokens whose K/V
+        the runner really wrote): blocks past it lose their cache key instead of offering
+        unwritten content to later prompts. Raises DoubleFree for an id freed before,
+        UnknownSequence for one never seen.
         """
         seq = self._seqs.get(seq_id)
         if seq is None:
             self._raise_not_live(seq_id, "free", DoubleFree)
+        if num_computed_tokens is not None:
+            self._uncache_unwritten(seq, num_computed_tokens)
         num_logical = len(seq.tables[0].block_ids)
         tail_first = [b for j in range(num_logical - 1, -1, -1) for t in seq.tables
                       if (b := t.block_ids[j]) is not None]
@@ -319,6 +324,14 @@ class KVCacheManager:
         self._freed[seq_id] = None
         if len(self._freed) > _FREED_HISTORY:
             self._freed.popitem(last=False)
+
+    def _uncache_unwritten(self, seq: _Sequence, num_computed_tokens: int) -> None:
+        first_unwritten = num_computed_tokens // self.block_size
+        for table in seq.tables:
+            for b in table.block_ids[first_unwritten:]:
+                # a block another sequence also holds was a hit: its content was written
+                if b is not None and self.pool.ref_count(b) == 1:
+                    self.pool.uncache_block(b)
 
     def _live(self, seq_id: Hashable) -> _Sequence:
         seq = self._seqs.get(seq_id)

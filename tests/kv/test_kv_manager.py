@@ -177,3 +177,13 @@ def test_prefix_caching_off_never_hits_and_frees_to_the_free_list():
     assert m.pool.num_evictable_blocks == 0
     assert m.allocate("b", list(range(9))).num_computed_tokens == 0
     assert m.stats().num_prefix_queries == 0
+
+
+def test_free_after_a_failed_step_drops_keys_of_unwritten_blocks():
+    m = make()
+    m.allocate("a", list(range(8)))
+    m.append("a", list(range(8, 12)))  # the step writing tokens 8..11 fails
+    m.free("a", num_computed_tokens=8)
+    assert m.pool.evictable_block_ids() == [1, 0]  # block 2 (unwritten) lost its key
+    assert m.find_prefix(list(range(13))).num_computed_tokens == 8
+    assert m.audit([]).is_clean

@@ -173,6 +173,16 @@ class BlockPool:
         self._cached[key] = block_id
         return True
 
+    def uncache_block(self, block_id: int) -> None:
+        """Drop a block's content key (its K/V was never written); a no-op without one."""
+        key = self._keys[block_id]
+        if key is None:
+            return
+        if self._ref_counts[block_id] == 0:
+            raise UseAfterFree(f"block {block_id} is not in use; only an owner may uncache it")
+        del self._cached[key]
+        self._keys[block_id] = None
+
     def lookup(self, key: CacheKey) -> int | None:
         """The block caching `key`, in use or evictable; None on a miss."""
         return self._cached.get(key)

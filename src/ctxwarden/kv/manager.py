@@ -192,11 +192,13 @@ class KVCacheManager:
         needs only what a step starting at token k*bs reads: its sink blocks and the blocks
         from first_needed_block(k*bs) to k-1; the rest of its table stays None.
         """
-        lookup = self.pool.lookup
-        found = [[lookup((g, h)) for h in chain] for g in range(self.layout.num_groups)]
         k = len(chain)
-        for ids in (f for f, g in zip(found, self.layout.groups) if g.window_tokens is None):
-            k = min(k, next((j for j, b in enumerate(ids) if b is None), len(ids)))
+        found = []
+        for g, group in enumerate(self.layout.groups):
+            ids = self._lookup_run(g, chain[:k]) if group.window_tokens is None else \
+                [self.pool.lookup((g, h)) for h in chain]
+            k = min(k, len(ids)) if group.window_tokens is None else k
+            found.append(ids)
         runs = [_runs_ending_at(ids) for ids in found]
         while k > 0 and not all(self._group_serves(g, found[g], runs[g], k)
                                 for g in range(self.layout.num_groups)):
@@ -206,6 +208,16 @@ class KVCacheManager:
             self.num_cross_namespace_hits += 1  # never served: treat it as a miss
             return [[] for _ in tables]
         return tables
+
+    def _lookup_run(self, g: int, chain: list[BlockHash]) -> list[int | None]:
+        """Cached blocks of a full group up to the first miss (a full group can use no more)."""
+        ids, lookup = [], self.pool.lookup
+        for h in chain:
+            b = lookup((g, h))
+            if b is None:
+                break
+            ids.append(b)
+        return ids
 
     def _group_serves(self, g: int, ids: list[int | None], runs: list[int], k: int) -> bool:
         window = self.layout.groups[g].window_tokens
@@ -290,15 +302,20 @@ class KVCacheManager:
 
     # --- free -----------------------------------------------------------------------------
 
-    def free(self, seq_id: Hashable) -> None:
+    def free(self, seq_id: Hashable, num_computed_tokens: int | None = None) -> None:
         """Release every block of `seq_id` now. Full blocks stay cached (evictable, LRU).
 
         Blocks are released tail first, so the tail of the hash chain is evicted before its
-        head. Raises DoubleFree for an id freed before, UnknownSequence for one never seen.
+        head. After an aborted or failed step pass `num_computed_tokens` (tokens whose K/V
+        the runner really wrote): blocks past it lose their cache key instead of offering
+        unwritten content to later prompts. Raises DoubleFree for an id freed before,
+        UnknownSequence for one never seen.
         """
         seq = self._seqs.get(seq_id)
         if seq is None:
             self._raise_not_live(seq_id, "free", DoubleFree)
+        if num_computed_tokens is not None:
+            self._uncache_unwritten(seq, num_computed_tokens)
         num_logical = len(seq.tables[0].block_ids)
         tail_first = [b for j in range(num_logical - 1, -1, -1) for t in seq.tables
                       if (b := t.block_ids[j]) is not None]
@@ -307,6 +324,14 @@ class KVCacheManager:
         self._freed[seq_id] = None
         if len(self._freed) > _FREED_HISTORY:
             self._freed.popitem(last=False)
+
+    def _uncache_unwritten(self, seq: _Sequence, num_computed_tokens: int) -> None:
+        first_unwritten = num_computed_tokens // self.block_size
+        for table in seq.tables:
+            for b in table.block_ids[first_unwritten:]:
+                # a block another sequence also holds was a hit: its content was written
+                if b is not None and self.pool.ref_count(b) == 1:
+                    self.pool.uncache_block(b)
 
     def _live(self, seq_id: Hashable) -> _Sequence:
         seq = self._seqs.get(seq_id)

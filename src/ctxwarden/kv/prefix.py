@@ -18,8 +18,8 @@ Every field is length-prefixed so that no two different inputs encode to the sam
 from __future__ import annotations
 
 import hashlib
-import struct
-from functools import lru_cache
+import sys
+from array import array
 from typing import Sequence
 
 BlockHash = bytes  # a 32-byte digest
@@ -27,10 +27,12 @@ DIGEST_BYTES = 32
 _DOMAIN = b"ctxwarden/kv/prefix/v1"
 
 
-@lru_cache(maxsize=64)
-def _token_struct(num_tokens: int) -> struct.Struct:
-    # little-endian int64: the same bytes on every machine (a shared tier may compare them)
-    return struct.Struct(f"<{num_tokens}q")
+def _token_bytes(token_ids: Sequence[int]) -> bytes:
+    """Little-endian int64s: the same bytes on every machine (a shared tier compares them)."""
+    packed = array("q", token_ids)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
 
 
 def _encode_field(value: str | bytes | int) -> bytes:
@@ -58,7 +60,7 @@ def root_hash(namespace: str, extra_keys: Sequence[str | bytes | int] = ()) -> B
 
 def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
     """The hash of one full block given its parent's hash (or the root for block 0)."""
-    payload = parent + _token_struct(len(token_ids)).pack(*token_ids)
+    payload = parent + _token_bytes(token_ids)
     return hashlib.blake2b(payload, digest_size=DIGEST_BYTES).digest()
 
 
@@ -69,10 +71,15 @@ def extend_chain(chain: list[BlockHash], root: BlockHash, token_ids: Sequence[in
     `token_ids` must hold at least num_full_blocks * block_size tokens. Extending in place
     keeps appends O(new blocks): a decode step hashes one block every block_size tokens.
     """
+    start = len(chain)
+    if start >= num_full_blocks:
+        return
     parent = chain[-1] if chain else root
-    pack = _token_struct(block_size).pack
+    # Pack every new block's tokens in one C call, then hash slices of it: per block this
+    # leaves one concatenation and one BLAKE2b call in the Python loop.
+    data = memoryview(_token_bytes(token_ids[start * block_size:num_full_blocks * block_size]))
+    stride = 8 * block_size
     blake2b = hashlib.blake2b
-    for j in range(len(chain), num_full_blocks):
-        payload = parent + pack(*token_ids[j * block_size:(j + 1) * block_size])
-        parent = blake2b(payload, digest_size=DIGEST_BYTES).digest()
+    for off in range(0, len(data), stride):
+        parent = blake2b(parent + data[off:off + stride], digest_size=DIGEST_BYTES).digest()
         chain.append(parent)

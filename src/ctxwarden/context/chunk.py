@@ -93,20 +93,17 @@ class _Planner:
         out: list[Chunk] = []
         i = 0
         while True:
-            end = self._choose_end(i)
-            piece = self._fit_recounted(i, end)
-            out.append(piece.chunk)
+            piece = self._fit_recounted(i, self._choose_end(i))
+            out.extend(piece.chunks)
             if piece.end_index == self.last:
                 return out
-            i = self._next_start(i, piece.end_index)
+            i = self._next_start(i, piece.end_index) if len(piece.chunks) == 1 else piece.end_index
 
     def _limit(self, i: int) -> int:
-        """The furthest cut whose one-pass token count from cut i is within the cap."""
+        """The furthest cut whose one-pass token count from cut i is within the cap (>= i + 1)."""
         tok = self.cuts.cut_tokens
         limit = int(np.searchsorted(tok, tok[i] + self.spec.max_tokens, side="right")) - 1
-        if limit <= i:
-            self._too_small(i)
-        return limit
+        return max(limit, i + 1)
 
     def _choose_end(self, i: int) -> int:
         limit = self._limit(i)
@@ -130,9 +127,9 @@ class _Planner:
             piece = self.text[start_char:end_char]
             n = self.tokenizer.count(piece)
             if n <= self.spec.max_tokens:
-                return _Piece(Chunk(piece, start_char, end_char, n), end)
-            if end == i + 1:
-                self._too_small(i)
+                return _Piece([Chunk(piece, start_char, end_char, n)], end)
+            if end == i + 1:  # tokens merged across characters leave no cut inside the cap
+                return _Piece(self._split_between_cuts(start_char, end_char), end)
             target = tok[end] - (n - self.spec.max_tokens)
             end = max(i + 1, min(end - 1, int(np.searchsorted(tok, target, side="right")) - 1))
             end = self._snap_back(i, end)
@@ -141,6 +138,25 @@ class _Planner:
         """The last cut at or before `end` that is not inside a grapheme, if there is one."""
         usable = np.nonzero(self.levels[i + 1: end + 1] >= segment.TOKEN)[0]
         return i + 1 + int(usable[-1]) if len(usable) else end
+
+    def _split_between_cuts(self, a: int, b: int) -> list[Chunk]:
+        """Chunks of text[a:b], a span with no token cut inside (BPE merged bytes of adjacent
+        characters), by re-encoding prefixes: binary search for the longest that fits. Only
+        reached with caps of a few tokens; spans are a handful of characters."""
+        out: list[Chunk] = []
+        while a < b:
+            lo, hi = a, b  # invariant: text[a:lo] fits (or lo == a); text[a:hi+1..] unknown
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if self.tokenizer.count(self.text[a:mid]) <= self.spec.max_tokens:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            if lo == a:
+                self._too_small(a)
+            out.append(Chunk(self.text[a:lo], a, lo, self.tokenizer.count(self.text[a:lo])))
+            a = lo
+        return out
 
     def _next_start(self, i: int, end: int) -> int:
         """Start of the next chunk: `overlap_tokens` before `end`, on a word boundary if near."""
@@ -153,8 +169,7 @@ class _Planner:
         words = np.nonzero(self.levels[j:end] >= segment.WORD)[0]
         return j + int(words[0]) if len(words) else j
 
-    def _too_small(self, i: int) -> None:
-        pos = int(self.cuts.cut_chars[i])
+    def _too_small(self, pos: int) -> None:
         raise ChunkTooSmall(
             f"max_tokens={self.spec.max_tokens} is too small: the text at character {pos} "
             f"({self.text[pos:pos + 8]!r}) cannot be cut into pieces of that many "
@@ -164,5 +179,5 @@ class _Planner:
 
 @dataclass(frozen=True)
 class _Piece:
-    chunk: Chunk
+    chunks: list[Chunk]
     end_index: int

@@ -14,10 +14,16 @@ import sys
 # name -> module under ctxwarden.cli; one line per command.
 COMMANDS = {
     "plan": "plan",
+    "count": "count",
+    "fit": "fit",
+    "chunk": "chunk",
 }
 
 _HELP = {
     "plan": "Exact KV-cache and memory plan for a model and a budget.",
+    "count": "Count the tokens of a text or chat exactly (tokenizer.json, GGUF, tiktoken).",
+    "fit": "Fit a prompt into a window: error, truncate-head/middle/tail, keep-tail-semantic or chunk.",
+    "chunk": "Split a text into chunks of at most N tokens (exact), with overlap and character offsets.",
 }
 
 

@@ -8,8 +8,8 @@ Algorithm (one encoding, one re-count per chunk, no recursion):
   3. From the chunk's start, the furthest cut within max_tokens bounds the chunk. Walk the
      levels from the strongest allowed down; take the last cut of the first level that fills
      at least half the cap (so a paragraph break 10 tokens in does not make a 10-token chunk).
-  4. Re-encode the chosen piece alone (BPE can differ at the edges). If it is over the cap,
-     pull the end back by the excess and re-count again; this converges in a step or two.
+  4. Re-encode every planned piece alone, in one batch (BPE can differ at the edges). If one
+     is over the cap, pull its end back by the excess, re-count, and re-plan from there.
   5. The next chunk starts `overlap_tokens` before the end, at a word boundary when one is
      close.
 Every chunk is text[start:end] exactly, so offsets are true character offsets.
@@ -90,14 +90,36 @@ class _Planner:
         self.last = len(cuts.cut_chars) - 1
 
     def run(self) -> list[Chunk]:
+        """Plan every chunk from the one-pass counts, re-count them all in one batch, and
+        re-plan from the first chunk the re-count puts over the cap (rare: BPE at a cut)."""
         out: list[Chunk] = []
         i = 0
         while True:
-            piece = self._fit_recounted(i, self._choose_end(i))
+            spans = self._plan_from(i)
+            chars = self.cuts.cut_chars
+            texts = [self.text[int(chars[a]):int(chars[b])] for a, b in spans]
+            counts = self.tokenizer.count_many(texts)
+            bad = next((k for k, n in enumerate(counts) if n > self.spec.max_tokens), len(spans))
+            out.extend(Chunk(t, int(chars[a]), int(chars[b]), n)
+                       for (a, b), t, n in zip(spans[:bad], texts[:bad], counts[:bad]))
+            if bad == len(spans):
+                return out
+            a, b = spans[bad]
+            piece = self._fit_recounted(a, b)
             out.extend(piece.chunks)
             if piece.end_index == self.last:
                 return out
-            i = self._next_start(i, piece.end_index) if len(piece.chunks) == 1 else piece.end_index
+            i = self._next_start(a, piece.end_index) if len(piece.chunks) == 1 else piece.end_index
+
+    def _plan_from(self, i: int) -> list[tuple[int, int]]:
+        """(start cut, end cut) of every chunk from cut i to the end, by one-pass counts."""
+        spans = []
+        while True:
+            end = self._choose_end(i)
+            spans.append((i, end))
+            if end == self.last:
+                return spans
+            i = self._next_start(i, end)
 
     def _limit(self, i: int) -> int:
         """The furthest cut whose one-pass token count from cut i is within the cap (>= i + 1)."""

@@ -117,10 +117,19 @@ def _mark_sentences(levels: np.ndarray, text: str, ws: np.ndarray) -> None:
     _mark_after(levels, ends, ws, SENTENCE)
 
 
+def _extender_candidates(cp: np.ndarray) -> np.ndarray:
+    """Positions that may hold a grapheme extender: every extender is >= U+0300, and CJK
+    ideographs and Hangul syllables (most of an East Asian text) never are."""
+    cand = cp >= 0x300
+    for lo, hi in ((0x3400, 0x4DBF), (0x4E00, 0x9FFF), (0xAC00, 0xD7A3)):
+        cand &= ~((cp >= lo) & (cp <= hi))
+    return np.nonzero(cand)[0]
+
+
 def _mark_inside_graphemes(levels: np.ndarray, text: str, cp: np.ndarray, ws: np.ndarray) -> None:
     crlf = np.nonzero((cp[:-1] == 13) & (cp[1:] == 10))[0] + 1
     levels[crlf] = INSIDE_GRAPHEME
-    hits = [m.start() for m in _EXTENDERS_RE.finditer(text)]
+    hits = [int(p) for p in _extender_candidates(cp) if _EXTENDERS_RE.match(text, int(p))]
     if not hits:
         return
     # Grapheme clusters that matter never span whitespace: segment each non-space run holding

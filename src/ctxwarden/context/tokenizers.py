@@ -226,8 +226,10 @@ class TiktokenTokenizer(Tokenizer):
         return self.backend.decode(list(ids))
 
     def count_many(self, texts: Sequence[str]) -> list[int]:
-        """Batch count (tiktoken encodes a batch on a thread pool)."""
-        return [len(ids) for ids in self.backend.encode_ordinary_batch(list(texts))]
+        """Count each text in turn: tiktoken's batch thread pool measured slower than a plain
+        loop on 2 shared cores (0.19 s vs 0.14 s for Emma in 512-token pieces)."""
+        encode = self.backend.encode_ordinary
+        return [len(encode(t)) for t in texts]
 
     def cuts(self, text: str) -> TokenCuts:
         """Cuts from token byte lengths: a cut is safe where its byte offset starts a UTF-8 character."""

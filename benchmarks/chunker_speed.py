@@ -68,12 +68,17 @@ def load_corpora() -> dict[str, str]:
             "mixed-script": mixed_script_corpus()}
 
 
-def make_chunkers(encoding) -> tuple[dict[str, Callable[[str], Pieces]], list[str]]:
-    """Our chunker and every installed peer, each as text -> Pieces; plus notes on skipped ones."""
+Factory = Callable[[], Callable[[str], Pieces]]
+
+
+def make_chunkers(encoding) -> tuple[dict[str, Factory], list[str]]:
+    """Our chunker and every installed peer, each as a factory of text -> Pieces (a fresh
+    instance per timed run, so memoizing peers such as semchunk get no warm cache); plus
+    notes on skipped peers."""
     ours = load_tokenizer("cl100k_base")
-    chunkers: dict[str, Callable[[str], Pieces]] = {
-        "ctxwarden chunk (paragraph)": lambda t: _ours(t, ours, "paragraph"),
-        "ctxwarden chunk (token)": lambda t: _ours(t, ours, "token"),
+    chunkers: dict[str, Factory] = {
+        "ctxwarden chunk (paragraph)": lambda: lambda t: _ours(t, ours, "paragraph"),
+        "ctxwarden chunk (token)": lambda: lambda t: _ours(t, ours, "token"),
     }
     notes: list[str] = []
     for add in (_add_chonkie, _add_semchunk, _add_langchain):
@@ -89,52 +94,66 @@ def _ours(text: str, tok, boundaries: str) -> Pieces:
     return Pieces([c.text for c in chunks], [(c.start, c.end) for c in chunks])
 
 
-def _add_chonkie(encoding) -> dict[str, Callable[[str], Pieces]]:
+def _add_chonkie(encoding) -> dict[str, Factory]:
     from chonkie import RecursiveChunker, SentenceChunker, TokenChunker
 
-    def wrap(chunker):
-        def run(text: str) -> Pieces:
-            out = chunker.chunk(text)
-            return Pieces([c.text for c in out], [(c.start_index, c.end_index) for c in out])
-        return run
+    def wrap(make):
+        def factory():
+            chunker = make()
 
-    return {"chonkie TokenChunker": wrap(TokenChunker(encoding, chunk_size=CHUNK_TOKENS, chunk_overlap=0)),
-            "chonkie SentenceChunker": wrap(SentenceChunker(encoding, chunk_size=CHUNK_TOKENS, chunk_overlap=0)),
-            "chonkie RecursiveChunker": wrap(RecursiveChunker(encoding, chunk_size=CHUNK_TOKENS))}
+            def run(text: str) -> Pieces:
+                out = chunker.chunk(text)
+                return Pieces([c.text for c in out], [(c.start_index, c.end_index) for c in out])
+            return run
+        return factory
+
+    return {"chonkie TokenChunker": wrap(lambda: TokenChunker(encoding, chunk_size=CHUNK_TOKENS, chunk_overlap=0)),
+            "chonkie SentenceChunker": wrap(lambda: SentenceChunker(encoding, chunk_size=CHUNK_TOKENS,
+                                                                    chunk_overlap=0)),
+            "chonkie RecursiveChunker": wrap(lambda: RecursiveChunker(encoding, chunk_size=CHUNK_TOKENS))}
 
 
-def _add_semchunk(encoding) -> dict[str, Callable[[str], Pieces]]:
+def _add_semchunk(encoding) -> dict[str, Factory]:
     import semchunk
 
-    chunker = semchunk.chunkerify(encoding, CHUNK_TOKENS)
+    def factory():
+        chunker = semchunk.chunkerify(encoding, CHUNK_TOKENS)
 
-    def run(text: str) -> Pieces:
-        texts, offsets = chunker(text, offsets=True)
-        return Pieces(list(texts), [tuple(o) for o in offsets])
+        def run(text: str) -> Pieces:
+            texts, offsets = chunker(text, offsets=True)
+            return Pieces(list(texts), [tuple(o) for o in offsets])
+        return run
 
-    return {"semchunk": run}
+    return {"semchunk": factory}
 
 
-def _add_langchain(encoding) -> dict[str, Callable[[str], Pieces]]:
+def _add_langchain(encoding) -> dict[str, Factory]:
     from langchain_text_splitters import RecursiveCharacterTextSplitter, TokenTextSplitter
 
-    rec = RecursiveCharacterTextSplitter.from_tiktoken_encoder(encoding_name="cl100k_base",
-                                                               chunk_size=CHUNK_TOKENS, chunk_overlap=0)
-    tok = TokenTextSplitter(encoding_name="cl100k_base", chunk_size=CHUNK_TOKENS, chunk_overlap=0)
-    return {"LangChain RecursiveCharacterTextSplitter": lambda t: Pieces(rec.split_text(t), None),
-            "LangChain TokenTextSplitter": lambda t: Pieces(tok.split_text(t), None)}
+    def rec():
+        splitter = RecursiveCharacterTextSplitter.from_tiktoken_encoder(
+            encoding_name="cl100k_base", chunk_size=CHUNK_TOKENS, chunk_overlap=0)
+        return lambda t: Pieces(splitter.split_text(t), None)
+
+    def tok():
+        splitter = TokenTextSplitter(encoding_name="cl100k_base", chunk_size=CHUNK_TOKENS, chunk_overlap=0)
+        return lambda t: Pieces(splitter.split_text(t), None)
+
+    return {"LangChain RecursiveCharacterTextSplitter": rec, "LangChain TokenTextSplitter": tok}
 
 
-def measure(name: str, run: Callable[[str], Pieces], corpus: str, text: str, tok, repeats: int) -> Row:
+def measure(name: str, factory: Factory, corpus: str, text: str, tok, repeats: int) -> Row:
+    """Best-of-repeats wall time (fresh chunker each run, construction untimed) and the checks."""
     times = []
     for _ in range(repeats):
+        run = factory()
         t0 = time.perf_counter()
         pieces = run(text)
         times.append(time.perf_counter() - t0)
     counts = tok.count_many(pieces.texts)
     offsets_exact = None if pieces.offsets is None else all(
         text[a:b] == s for s, (a, b) in zip(pieces.texts, pieces.offsets))
-    fffd = sum(s.count("\ufffd") for s in pieces.texts) - 0
+    fffd = sum(s.count("\ufffd") for s in pieces.texts) - text.count("\ufffd")
     return Row(name, corpus, min(times), len(pieces.texts), sum(n > CHUNK_TOKENS for n in counts),
                max(counts, default=0), offsets_exact, "".join(pieces.texts) == text, fffd)
 
@@ -184,8 +203,8 @@ def main() -> None:
     tok = load_tokenizer("cl100k_base")
     os.environ["TIKTOKEN_CACHE_DIR"] = str(tiktoken_cache_dir())  # peers load cl100k by name: offline copy
     chunkers, notes = make_chunkers(tok.backend)
-    rows = [measure(name, run, corpus, text, tok, args.repeats)
-            for corpus, text in load_corpora().items() for name, run in chunkers.items()]
+    rows = [measure(name, factory, corpus, text, tok, args.repeats)
+            for corpus, text in load_corpora().items() for name, factory in chunkers.items()]
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"chunk_tokens": CHUNK_TOKENS, "overlap_tokens": 0, "tokenizer": "cl100k_base", "repeats": args.repeats,
             "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "notes": notes}

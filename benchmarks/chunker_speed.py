@@ -207,7 +207,8 @@ def main() -> None:
             for corpus, text in load_corpora().items() for name, factory in chunkers.items()]
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"chunk_tokens": CHUNK_TOKENS, "overlap_tokens": 0, "tokenizer": "cl100k_base", "repeats": args.repeats,
-            "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "notes": notes}
+            "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+            "load_average_1min_after": os.getloadavg()[0], "notes": notes}
     (args.out / "chunker_speed.json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2))
     plot(rows, args.out / "chunker_speed.png")
     print(markdown(rows))

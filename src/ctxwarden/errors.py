@@ -91,3 +91,7 @@ class RequiredContextExceeded(CtxwardenError, ValueError):
         super().__init__(
             f"The required fragments ({', '.join(fragment_ids)}) need {required_tokens} tokens but "
             f"the budget is {budget_tokens}. Raise the budget, shorten them, or mark fewer as required.")
+
+
+class ChunkTooSmall(CtxwardenError, ValueError):
+    """A single character needs more tokens than a chunk's max_tokens allows."""

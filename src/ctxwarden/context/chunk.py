@@ -23,6 +23,7 @@ import numpy as np
 
 from ctxwarden.context import segment
 from ctxwarden.context.tokenizers import Tokenizer, TokenCuts
+from ctxwarden.errors import ChunkTooSmall
 
 MIN_FILL_FRACTION = 0.5  # a boundary is taken only if the chunk it ends is at least this full
 BOUNDARIES = ("paragraph", "sentence", "token")
@@ -58,10 +59,6 @@ class ChunkSpec:
                              f"{self.overlap_tokens!r}; lower the overlap or raise max_tokens")
         if self.boundaries not in BOUNDARIES:
             raise ValueError(f"boundaries must be one of {', '.join(BOUNDARIES)}, got {self.boundaries!r}")
-
-
-class ChunkTooSmall(ValueError):
-    """A single character (or grapheme piece) needs more tokens than max_tokens allows."""
 
 
 def chunk(text: str, max_tokens: int, tokenizer: Tokenizer, overlap_tokens: int = 0,

@@ -145,6 +145,7 @@ class InvalidSamplingParams(CtxwardenError, ValueError):
         self.accepted = accepted
         super().__init__(f"Invalid sampling parameter '{field}' = {value!r}: must be {accepted}.")
 
+
 class UnknownTokenizer(CtxwardenError, ValueError):
     """A tokenizer name or path that is neither a known name nor a tokenizer file."""
 
@@ -176,3 +177,20 @@ class RequiredContextExceeded(CtxwardenError, ValueError):
         super().__init__(
             f"The required fragments ({', '.join(fragment_ids)}) need {required_tokens} tokens but "
             f"the budget is {budget_tokens}. Raise the budget, shorten them, or mark fewer as required.")
+
+
+
+class ChunkTooSmall(CtxwardenError, ValueError):
+    """A single character needs more tokens than a chunk's max_tokens allows."""
+
+
+class QueueFull(CtxwardenError, RuntimeError):
+    """The bounded waiting queue is full: try again later (the server answers 429)."""
+
+    def __init__(self, num_waiting: int, max_waiting: int):
+        self.num_waiting = num_waiting
+        self.max_waiting = max_waiting
+        super().__init__(
+            f"The waiting queue is full ({num_waiting} of {max_waiting} requests waiting). "
+            "Retry after a short delay, or raise max_waiting."
+        )

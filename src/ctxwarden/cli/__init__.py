@@ -16,12 +16,20 @@ COMMANDS = {
     "plan": "plan",
     "make-model": "make_model",
     "generate": "generate",
+
+    "count": "count",
+    "fit": "fit",
+    "chunk": "chunk",
 }
 
 _HELP = {
     "plan": "Exact KV-cache and memory plan for a model and a budget.",
     "make-model": "Write a random-weight Hugging Face checkpoint (and a trained BPE tokenizer).",
     "generate": "Generate text for one prompt with the paged engine.",
+
+    "count": "Count the tokens of a text or chat exactly (tokenizer.json, GGUF, tiktoken).",
+    "fit": "Fit a prompt into a window: error, truncate-head/middle/tail, keep-tail-semantic or chunk.",
+    "chunk": "Split a text into chunks of at most N tokens (exact), with overlap and character offsets.",
 }
 
 

@@ -8,8 +8,8 @@ Algorithm (one encoding, one re-count per chunk, no recursion):
   3. From the chunk's start, the furthest cut within max_tokens bounds the chunk. Walk the
      levels from the strongest allowed down; take the last cut of the first level that fills
      at least half the cap (so a paragraph break 10 tokens in does not make a 10-token chunk).
-  4. Re-encode the chosen piece alone (BPE can differ at the edges). If it is over the cap,
-     pull the end back by the excess and re-count again; this converges in a step or two.
+  4. Re-encode every planned piece alone, in one batch (BPE can differ at the edges). If one
+     is over the cap, pull its end back by the excess, re-count, and re-plan from there.
   5. The next chunk starts `overlap_tokens` before the end, at a word boundary when one is
      close.
 Every chunk is text[start:end] exactly, so offsets are true character offsets.
@@ -23,6 +23,7 @@ import numpy as np
 
 from ctxwarden.context import segment
 from ctxwarden.context.tokenizers import Tokenizer, TokenCuts
+from ctxwarden.errors import ChunkTooSmall
 
 MIN_FILL_FRACTION = 0.5  # a boundary is taken only if the chunk it ends is at least this full
 BOUNDARIES = ("paragraph", "sentence", "token")
@@ -60,10 +61,6 @@ class ChunkSpec:
             raise ValueError(f"boundaries must be one of {', '.join(BOUNDARIES)}, got {self.boundaries!r}")
 
 
-class ChunkTooSmall(ValueError):
-    """A single character (or grapheme piece) needs more tokens than max_tokens allows."""
-
-
 def chunk(text: str, max_tokens: int, tokenizer: Tokenizer, overlap_tokens: int = 0,
           boundaries: str = "paragraph") -> list[Chunk]:
     """Split `text` into chunks of at most `max_tokens` tokens (re-counted, exact).
@@ -90,23 +87,42 @@ class _Planner:
         self.last = len(cuts.cut_chars) - 1
 
     def run(self) -> list[Chunk]:
+        """Plan every chunk from the one-pass counts, re-count them all in one batch, and
+        re-plan from the first chunk the re-count puts over the cap (rare: BPE at a cut)."""
         out: list[Chunk] = []
         i = 0
         while True:
-            end = self._choose_end(i)
-            piece = self._fit_recounted(i, end)
-            out.append(piece.chunk)
+            spans = self._plan_from(i)
+            chars = self.cuts.cut_chars
+            texts = [self.text[int(chars[a]):int(chars[b])] for a, b in spans]
+            counts = self.tokenizer.count_many(texts)
+            bad = next((k for k, n in enumerate(counts) if n > self.spec.max_tokens), len(spans))
+            out.extend(Chunk(t, int(chars[a]), int(chars[b]), n)
+                       for (a, b), t, n in zip(spans[:bad], texts[:bad], counts[:bad]))
+            if bad == len(spans):
+                return out
+            a, b = spans[bad]
+            piece = self._fit_recounted(a, b)
+            out.extend(piece.chunks)
             if piece.end_index == self.last:
                 return out
-            i = self._next_start(i, piece.end_index)
+            i = self._next_start(a, piece.end_index) if len(piece.chunks) == 1 else piece.end_index
+
+    def _plan_from(self, i: int) -> list[tuple[int, int]]:
+        """(start cut, end cut) of every chunk from cut i to the end, by one-pass counts."""
+        spans = []
+        while True:
+            end = self._choose_end(i)
+            spans.append((i, end))
+            if end == self.last:
+                return spans
+            i = self._next_start(i, end)
 
     def _limit(self, i: int) -> int:
-        """The furthest cut whose one-pass token count from cut i is within the cap."""
+        """The furthest cut whose one-pass token count from cut i is within the cap (>= i + 1)."""
         tok = self.cuts.cut_tokens
         limit = int(np.searchsorted(tok, tok[i] + self.spec.max_tokens, side="right")) - 1
-        if limit <= i:
-            self._too_small(i)
-        return limit
+        return max(limit, i + 1)
 
     def _choose_end(self, i: int) -> int:
         limit = self._limit(i)
@@ -130,9 +146,9 @@ class _Planner:
             piece = self.text[start_char:end_char]
             n = self.tokenizer.count(piece)
             if n <= self.spec.max_tokens:
-                return _Piece(Chunk(piece, start_char, end_char, n), end)
-            if end == i + 1:
-                self._too_small(i)
+                return _Piece([Chunk(piece, start_char, end_char, n)], end)
+            if end == i + 1:  # tokens merged across characters leave no cut inside the cap
+                return _Piece(self._split_between_cuts(start_char, end_char), end)
             target = tok[end] - (n - self.spec.max_tokens)
             end = max(i + 1, min(end - 1, int(np.searchsorted(tok, target, side="right")) - 1))
             end = self._snap_back(i, end)
@@ -141,6 +157,25 @@ class _Planner:
         """The last cut at or before `end` that is not inside a grapheme, if there is one."""
         usable = np.nonzero(self.levels[i + 1: end + 1] >= segment.TOKEN)[0]
         return i + 1 + int(usable[-1]) if len(usable) else end
+
+    def _split_between_cuts(self, a: int, b: int) -> list[Chunk]:
+        """Chunks of text[a:b], a span with no token cut inside (BPE merged bytes of adjacent
+        characters), by re-encoding prefixes: binary search for the longest that fits. Only
+        reached with caps of a few tokens; spans are a handful of characters."""
+        out: list[Chunk] = []
+        while a < b:
+            lo, hi = a, b  # invariant: text[a:lo] fits (or lo == a); text[a:hi+1..] unknown
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if self.tokenizer.count(self.text[a:mid]) <= self.spec.max_tokens:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            if lo == a:
+                self._too_small(a)
+            out.append(Chunk(self.text[a:lo], a, lo, self.tokenizer.count(self.text[a:lo])))
+            a = lo
+        return out
 
     def _next_start(self, i: int, end: int) -> int:
         """Start of the next chunk: `overlap_tokens` before `end`, on a word boundary if near."""
@@ -153,8 +188,7 @@ class _Planner:
         words = np.nonzero(self.levels[j:end] >= segment.WORD)[0]
         return j + int(words[0]) if len(words) else j
 
-    def _too_small(self, i: int) -> None:
-        pos = int(self.cuts.cut_chars[i])
+    def _too_small(self, pos: int) -> None:
         raise ChunkTooSmall(
             f"max_tokens={self.spec.max_tokens} is too small: the text at character {pos} "
             f"({self.text[pos:pos + 8]!r}) cannot be cut into pieces of that many "
@@ -164,5 +198,5 @@ class _Planner:
 
 @dataclass(frozen=True)
 class _Piece:
-    chunk: Chunk
+    chunks: list[Chunk]
     end_index: int

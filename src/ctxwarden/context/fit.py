@@ -31,8 +31,6 @@ from ctxwarden.errors import ContextLengthExceeded
 
 STRATEGIES = ("error", *TRUNCATIONS, "keep-tail-semantic", "chunk")
 MAX_REFITS = 16  # re-count rounds; each lowers the budget by the measured excess
-# Without a chat template, messages are counted the way OpenAI documents for its chat models.
-_TOKENS_PER_MESSAGE, _TOKENS_REPLY_PRIMING = 3, 3
 
 
 @dataclass(frozen=True)
@@ -75,7 +73,7 @@ class _Prompt:
         self.tokenizer, self.add_generation_prompt = tokenizer, add_generation_prompt
         self.messages = None if isinstance(prompt, str) else as_messages(prompt)
         self.parts = [prompt] if self.messages is None else [m.content for m in self.messages]
-        self.is_exact = tokenizer.is_exact and (self.messages is None or tokenizer.chat_template is not None)
+        self.is_exact = tokenizer.is_chat_count_exact if self.messages is not None else tokenizer.is_exact
 
     def build(self, parts: Sequence[str]) -> str | list[ChatMessage]:
         """The prompt with these parts; an emptied non-final message is dropped."""
@@ -88,13 +86,9 @@ class _Prompt:
     def count(self, parts: Sequence[str]) -> int:
         """Exact prompt tokens of the prompt built from `parts`."""
         built = self.build(parts)
-        tok = self.tokenizer
         if isinstance(built, str):
-            return tok.count_prompt(built)
-        if tok.chat_template is not None:
-            return tok.count_chat(built, self.add_generation_prompt)
-        return sum(tok.count(m.content) + tok.count(m.role) + _TOKENS_PER_MESSAGE
-                   for m in built) + _TOKENS_REPLY_PRIMING
+            return self.tokenizer.count_prompt(built)
+        return self.tokenizer.count_messages(built, self.add_generation_prompt)
 
 
 def fit(prompt: str | Sequence[ChatMessage | dict], window_tokens: int, max_tokens: int, tokenizer: Tokenizer,

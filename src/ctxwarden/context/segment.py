@@ -34,10 +34,10 @@ _CLAUSE_PUNCT = np.array([ord(c) for c in ",;:，、；：)"], dtype=np.uint32)
 _PARAGRAPH_RE = re.compile(r"\n[^\S\n]*\n\s*")
 # Sentence ends: Latin punctuation before whitespace (with closing quotes/brackets), or CJK
 # full stops anywhere. A single "." after a common abbreviation ("Mr.") or an initial ("J.")
-# does not end a sentence; the lookbehind keeps that test inside the regex engine.
+# does not end a sentence; the lookbehinds sit after the "." so they run only at dots.
 _SENTENCE_RE = regex.compile(
-    r"(?<!\b(?i:mr|mrs|ms|dr|st|jr|sr|vs|etc|e\.g|i\.e|cf|no|fig|col|gen|capt|rev|prof)|\b\p{Lu})"
-    r"\.[\"'”’)\]]*(?=\s|$)"
+    r"\.(?<!\b(?i:mr|mrs|ms|dr|st|jr|sr|vs|etc|e\.g|i\.e|cf|no|fig|col|gen|capt|rev|prof)\.)(?<!\b\p{Lu}\.)"
+    r"[\"'”’)\]]*(?=\s|$)"
     r"|(?:[!?…]+|\.{2,})[\"'”’)\]]*(?=\s|$)|[。！？]+[」』”’）]*")
 # Characters that extend a grapheme cluster (or pair into one): only words holding one of
 # these need the (slower) grapheme segmentation.
@@ -117,23 +117,46 @@ def _mark_sentences(levels: np.ndarray, text: str, ws: np.ndarray) -> None:
     _mark_after(levels, ends, ws, SENTENCE)
 
 
+_GRAPHEME_RE = regex.compile(r"\X")
+_IDEOGRAPHS = ((0x3400, 0x4DBF), (0x4E00, 0x9FFF))
+
+
+def _is_ideograph(cp: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(cp), dtype=bool)
+    for lo, hi in _IDEOGRAPHS:
+        out |= (cp >= lo) & (cp <= hi)
+    return out
+
+
+def _safe_cluster_starts(cp: np.ndarray) -> np.ndarray:
+    """Positions before which a grapheme cluster always begins: code points below U+0300
+    (never extenders, joiners, spacing marks or regional indicators) other than LF (after CR)
+    and the pictographs (C) and (R) (which a ZWJ can join), and CJK ideographs. A preceding
+    Prepend character (rare: Arabic number signs) would join them; that case is ignored."""
+    safe = (cp < 0x300) & (cp != 0x0A) & (cp != 0xA9) & (cp != 0xAE)
+    return np.nonzero(safe | _is_ideograph(cp))[0]
+
+
+def _extender_candidates(cp: np.ndarray) -> np.ndarray:
+    """Positions that may hold a grapheme extender: every extender is >= U+0300, and CJK
+    ideographs and Hangul syllables (most of an East Asian text) never are."""
+    cand = (cp >= 0x300) & ~_is_ideograph(cp) & ~((cp >= 0xAC00) & (cp <= 0xD7A3))
+    return np.nonzero(cand)[0]
+
+
 def _mark_inside_graphemes(levels: np.ndarray, text: str, cp: np.ndarray, ws: np.ndarray) -> None:
     crlf = np.nonzero((cp[:-1] == 13) & (cp[1:] == 10))[0] + 1
     levels[crlf] = INSIDE_GRAPHEME
-    hits = [m.start() for m in _EXTENDERS_RE.finditer(text)]
-    if not hits:
+    hits = np.fromiter((p for p in _extender_candidates(cp).tolist() if _EXTENDERS_RE.match(text, p)), dtype=np.int64)
+    if len(hits) == 0:
         return
-    # Grapheme clusters that matter never span whitespace: segment each non-space run holding
-    # an extender once.
-    ws_pos = np.nonzero(ws)[0]
-    seen: set[int] = set()
-    for h in hits:
-        k = int(np.searchsorted(ws_pos, h))
-        lo = int(ws_pos[k - 1]) + 1 if k > 0 else 0
-        if lo in seen:
-            continue
-        seen.add(lo)
-        hi = int(ws_pos[k]) if k < len(ws_pos) else len(text)
-        for m in regex.finditer(r"\X", text[lo:hi]):
+    # Segment only the stretch around each hit, from the safe cluster start at or before it
+    # to the next one: those stretches are a few characters, so \X stays cheap.
+    starts = np.concatenate((_safe_cluster_starts(cp), [len(cp)]))
+    k = np.searchsorted(starts, hits, side="right")
+    lo = np.where(k > 0, starts[np.maximum(k - 1, 0)], 0)
+    hi = starts[np.minimum(k, len(starts) - 1)]
+    for a, b in sorted(set(zip(lo.tolist(), hi.tolist()))):
+        for m in _GRAPHEME_RE.finditer(text, a, b):
             if m.end() - m.start() > 1:
-                levels[lo + m.start() + 1: lo + m.end()] = INSIDE_GRAPHEME
+                levels[m.start() + 1: m.end()] = INSIDE_GRAPHEME

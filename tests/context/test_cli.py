@@ -1,0 +1,57 @@
+"""`ctxwarden count|fit|chunk` end to end, as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+def _run(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.run([sys.executable, "-m", "ctxwarden", *args], input=stdin, capture_output=True,
+                          text=True, env=env, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def sample(emma) -> str:
+    return emma[:6000] + "\n\n日本語の文章です。👨‍👩‍👧 🇫🇷"
+
+
+def test_count_default_tokenizer_matches_library(sample, smol):
+    out = _run("count", "-", "--json", stdin=sample)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["tokens"] == smol.count_prompt(sample) and data["tokenizer"]["kind"] == "gguf"
+
+
+def test_chunk_json_offsets(tmp_path, sample, cl100k):
+    f = tmp_path / "doc.txt"
+    f.write_text(sample, encoding="utf-8")
+    out = _run("chunk", str(f), "--tokenizer", "cl100k_base", "--max-tokens", "100", "--overlap", "10", "--json")
+    assert out.returncode == 0, out.stderr
+    chunks = json.loads(out.stdout)
+    assert len(chunks) > 5 and set(chunks[0]) == {"text", "start", "end", "tokens"}
+    for c in chunks:
+        assert sample[c["start"]:c["end"]] == c["text"] and cl100k.count(c["text"]) == c["tokens"] <= 100
+
+
+def test_fit_json_and_error_exit(sample, smol):
+    out = _run("fit", "-", "--window", "600", "--max-tokens", "100", "--strategy", "keep-tail-semantic", "--json",
+               stdin=sample)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["prompt_tokens"] == smol.count_prompt(data["text"]) <= 500
+    refused = _run("fit", "-", "--window", "600", "--max-tokens", "100", stdin=sample)
+    assert refused.returncode == 2 and "maximum context length is 600 tokens" in refused.stderr
+
+
+def test_unknown_tokenizer_is_a_clear_error():
+    out = _run("count", "-", "--tokenizer", "gpt-17", stdin="x")
+    assert out.returncode == 2 and "Available names:" in out.stderr and "cl100k_base" in out.stderr

@@ -16,7 +16,6 @@ COMMANDS = {
     "plan": "plan",
     "make-model": "make_model",
     "generate": "generate",
-
     "count": "count",
     "fit": "fit",
     "chunk": "chunk",

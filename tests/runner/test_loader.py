@@ -107,3 +107,20 @@ def test_layer_types_mismatch_is_a_config_error(tiny_model, tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="layer_types"):
         load_model(d)
+
+
+def test_transformers_5_saved_config_loads_and_matches(tiny_model, tmp_path):
+    """Re-save a checkpoint with the installed transformers (5.x writes rope_parameters,
+    dtype, layer_types): our loader reads that layout and the logits are unchanged."""
+    from runner_parity import hf_model
+
+    src = tiny_model("gemma2", sliding_window=24, max_position=256,
+                     rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
+    hf_model(src).save_pretrained(str(tmp_path / "resaved"))
+    cfg = json.loads((tmp_path / "resaved" / "config.json").read_text())
+    batch = ForwardBatch((SequenceInput.chunk(list(range(3, 40)), 0, ((0, 1, 2), (3, 4, 5)), "all"),))
+    before = ModelRunner(src, RunnerConfig(num_blocks=6)).forward(batch)
+    after = ModelRunner(tmp_path / "resaved", RunnerConfig(num_blocks=6)).forward(batch)
+    assert "rope_scaling" in json.loads((src / "config.json").read_text())
+    assert cfg["rope_parameters"]["rope_type"] == "yarn" and "layer_types" in cfg
+    assert torch.allclose(before, after, atol=1e-6)

@@ -202,7 +202,7 @@ def parse_model_config(raw: Mapping[str, Any], source: str = "<config>") -> Mode
         rope_local=rope_local,
         mla=_mla(r) if family in MLA else None,
         rms_norm_eps=float(r.opt("rms_norm_eps", (int, float), 1e-6)),
-        tie_word_embeddings=bool(outer.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))),
+        tie_word_embeddings=_tied(outer, raw, family),
         attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
         qk_norm=model_type == "qwen3",
         hidden_act=str(raw.get("hidden_act") or raw.get("hidden_activation") or "silu"),
@@ -349,6 +349,14 @@ def _moe(raw: Mapping[str, Any]) -> dict[str, Any]:
     keys = ("n_routed_experts", "n_shared_experts", "moe_intermediate_size", "first_k_dense_replace",
             "num_experts", "num_experts_per_tok", "moe_layer_freq")
     return {k: raw[k] for k in keys if raw.get(k) is not None}
+
+
+def _tied(outer: Mapping[str, Any], raw: Mapping[str, Any], family: str) -> bool:
+    """Gemma ties its LM head to the embeddings by default; the others do not."""
+    for d in (raw, outer):
+        if d.get("tie_word_embeddings") is not None:
+            return bool(d["tie_word_embeddings"])
+    return family in GEMMA
 
 
 def _first_int(value) -> int | None:

@@ -84,3 +84,15 @@ class UnsupportedArchitecture(CtxwardenError, ValueError):
             f"{source}: architecture {model_type!r} cannot be run; the runner implements "
             f"{', '.join(supported)}. (`ctxwarden plan` still works for any config.)"
         )
+
+
+class QueueFull(CtxwardenError, RuntimeError):
+    """The bounded waiting queue is full: try again later (the server answers 429)."""
+
+    def __init__(self, num_waiting: int, max_waiting: int):
+        self.num_waiting = num_waiting
+        self.max_waiting = max_waiting
+        super().__init__(
+            f"The waiting queue is full ({num_waiting} of {max_waiting} requests waiting). "
+            "Retry after a short delay, or raise max_waiting."
+        )

@@ -1,0 +1,254 @@
+"""Continuous batching with chunked prefill and preemption instead of OOM (no torch).
+
+Algorithm of one `schedule()` call (vLLM v1's unified view: a request is just "tokens known"
+vs "tokens computed", prefill and decode are the same thing at different sizes):
+
+1. Running requests, best first (priority, then arrival): each gets
+   min(known - computed, budget) new tokens. If the pool cannot slot them, the worst
+   running request is preempted (swap to host or recompute, chosen by cost) until it can;
+   a request may end up preempting itself.
+2. If nothing was preempted, waiting requests (new, recompute-preempted, swapped) are
+   admitted in the same order while the token budget, `max_num_seqs` and the pool allow.
+   A new request first takes its cached prefix (salted by its namespace), then a chunk.
+3. A scheduled request is *sampled* when its chunk reaches its last known token.
+
+Invariant between steps: for every running request, the KV manager holds exactly
+`num_computed_tokens` slotted tokens. Whether a request can *ever* fit was decided once at
+`add` with the planner's `blocks_needed`; a request that can never fit is never queued.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from ctxwarden.errors import ContextLengthExceeded, KVCapacityExceeded, QueueFull
+from ctxwarden.kv import KVCacheManager
+from ctxwarden.plan.kv import blocks_needed, max_sequence_tokens
+from ctxwarden.request import FinishReason, Request, RequestStatus
+from ctxwarden.scheduler.policy import PreemptionCost, choose_preemption_mode
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Scheduling limits. `max_waiting` bounds the queue (the server answers 429 past it)."""
+
+    max_num_seqs: int = 64
+    max_batched_tokens: int = 2048
+    max_waiting: int | None = None
+    preemption_mode: str = "auto"  # auto | recompute | swap
+    swap_space_bytes: int = 4 * 1024**3
+    window_tokens: int = 2048  # the model's context window (prompt + max_tokens limit)
+    is_unbounded_length: bool = False  # sink mode streams past the window
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_batched_tokens", "window_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.preemption_mode not in ("auto", "recompute", "swap"):
+            raise ValueError(f"preemption_mode must be auto, recompute or swap, got {self.preemption_mode!r}")
+        if self.max_waiting is not None and self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One request's share of a step: `num_new_tokens` from `request.num_computed_tokens`."""
+
+    request: Request
+    num_new_tokens: int
+    is_sampled: bool
+
+
+@dataclass(frozen=True)
+class Preemption:
+    request: Request
+    mode: str  # "swap" | "recompute"
+    block_tables: tuple[list[int | None], ...]  # what the request held (swap copies these)
+
+
+@dataclass(frozen=True)
+class SwapIn:
+    request: Request
+    block_tables: tuple[list[int | None], ...]  # where its blocks now live
+    num_hit_blocks: int  # leading logical blocks served by the prefix cache: not rewritten
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: tuple[ScheduledSeq, ...]
+    preempted: tuple[Preemption, ...]
+    swapped_in: tuple[SwapIn, ...]
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    """Owns the waiting and running queues and every call into the KV manager."""
+
+    def __init__(self, kv: KVCacheManager, config: SchedulerConfig, cost: PreemptionCost):
+        self.kv = kv
+        self.config = config
+        self.cost = cost
+        self.waiting: list[Request] = []  # sorted by Request.sort_key
+        self.running: list[Request] = []
+        self.swapped_bytes = 0
+        self.num_preemptions = {"swap": 0, "recompute": 0}
+        self._num_known: dict[str, int] = {}  # tokens the KV manager knows, per request
+        self._swap_tables: dict[str, tuple] = {}  # block tables of swapped-out requests
+
+    # --- admission -------------------------------------------------------------------------
+
+    def check_admissible(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise now if the request can never be served; the same arithmetic as the planner."""
+        total = num_prompt_tokens + max_tokens
+        if not self.config.is_unbounded_length and total > self.config.window_tokens:
+            raise ContextLengthExceeded(self.config.window_tokens, num_prompt_tokens, max_tokens)
+        needed = blocks_needed(total, self.kv.layout, self.config.max_batched_tokens)
+        if needed > self.kv.pool.num_blocks:
+            longest = max_sequence_tokens(self.kv.pool.num_blocks, self.kv.layout,
+                                          self.config.max_batched_tokens)
+            raise KVCapacityExceeded(needed, self.kv.pool.num_blocks, longest or total)
+
+    def add(self, request: Request) -> None:
+        """Queue a request after checking that it can ever fit (raises if not)."""
+        self.check_admissible(request.num_prompt_tokens, request.params.max_tokens)
+        if self.config.max_waiting is not None and len(self.waiting) >= self.config.max_waiting:
+            raise QueueFull(len(self.waiting), self.config.max_waiting)
+        request.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- one step --------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step's batch; every KV slot it needs is allocated on return."""
+        budget = self.config.max_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted: list[Preemption] = []
+        self.running.sort(key=lambda r: r.sort_key)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if self._slot_running(req, n, preempted):
+                scheduled.append(ScheduledSeq(req, n, req.num_computed_tokens + n == req.num_tokens))
+                budget -= n
+                i += 1
+        swapped_in: list[SwapIn] = []
+        if not preempted:
+            budget = self._admit_waiting(budget, scheduled, swapped_in)
+        return SchedulerOutput(tuple(scheduled), tuple(preempted), tuple(swapped_in))
+
+    def _slot_running(self, req: Request, n: int, preempted: list[Preemption]) -> bool:
+        """Slot `n` tokens for a running request, preempting from the back until they fit."""
+        while not self.kv.can_append(req.request_id, n):
+            victim = self.running[-1]
+            preempted.append(self._preempt(victim))
+            if victim is req:
+                return False
+        known = self._num_known[req.request_id]
+        self.kv.append(req.request_id, req.all_token_ids[known:], num_new_tokens=n)
+        self._num_known[req.request_id] = req.num_tokens
+        return True
+
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledSeq],
+                       swapped_in: list[SwapIn]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            if req.status is RequestStatus.SWAPPED:
+                if not self._swap_in(req, swapped_in):
+                    break
+                continue  # now running: scheduled from the next step on
+            n = self._admit_new(req, budget)
+            if n is None:
+                break  # FCFS: the head waits for blocks, nobody overtakes it
+            scheduled.append(ScheduledSeq(req, n, req.num_computed_tokens + n == req.num_tokens))
+            budget -= n
+        return budget
+
+    def _admit_new(self, req: Request, budget: int) -> int | None:
+        tokens = req.all_token_ids
+        hit = self.kv.find_prefix(tokens, req.namespace)
+        n = min(len(tokens) - hit.num_computed_tokens, budget)
+        if not self.kv.can_allocate(tokens, req.namespace, max_num_new_tokens=n):
+            return None
+        alloc = self.kv.allocate(req.request_id, tokens, req.namespace, max_num_new_tokens=n)
+        self._num_known[req.request_id] = len(tokens)
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = alloc.num_computed_tokens
+        req.num_computed_tokens = alloc.num_computed_tokens
+        self._move_to_running(req)
+        return alloc.num_new_tokens
+
+    def _swap_in(self, req: Request, swapped_in: list[SwapIn]) -> bool:
+        tokens = req.all_token_ids[:req.num_computed_tokens]
+        if not self.kv.can_allocate(tokens, req.namespace):
+            return False
+        alloc = self.kv.allocate(req.request_id, tokens, req.namespace)
+        self._num_known[req.request_id] = len(tokens)
+        self.swapped_bytes -= self._bytes_of(self._swap_tables.pop(req.request_id))
+        self._move_to_running(req)
+        hit_blocks = alloc.num_computed_tokens // self.kv.block_size
+        swapped_in.append(SwapIn(req, self.kv.block_tables(req.request_id), hit_blocks))
+        return True
+
+    def _move_to_running(self, req: Request) -> None:
+        self.waiting.remove(req)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    # --- preemption and release -----------------------------------------------------------
+
+    def _preempt(self, req: Request) -> Preemption:
+        tables = self.kv.block_tables(req.request_id)
+        mode = self._preemption_mode(req, tables)
+        self.kv.free(req.request_id)
+        del self._num_known[req.request_id]
+        self.running.remove(req)
+        req.num_preemptions += 1
+        self.num_preemptions[mode] += 1
+        if mode == "swap":
+            req.status = RequestStatus.SWAPPED
+            self._swap_tables[req.request_id] = tables
+            self.swapped_bytes += self._bytes_of(tables)
+        else:
+            req.status = RequestStatus.WAITING
+            req.num_computed_tokens = 0  # its full blocks stay cached: the recompute hits them
+        bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
+        return Preemption(req, mode, tables)
+
+    def _preemption_mode(self, req: Request, tables) -> str:
+        if self.config.preemption_mode != "auto":
+            mode = self.config.preemption_mode
+        else:
+            mode = choose_preemption_mode(self.cost, req.num_computed_tokens)
+        if mode == "swap" and self.swapped_bytes + self._bytes_of(tables) > self.config.swap_space_bytes:
+            mode = "recompute"  # no host room left: recompute never needs any
+        return mode
+
+    def _bytes_of(self, tables) -> int:
+        return sum(1 for t in tables for b in t if b is not None) * self.kv.layout.page_bytes
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        """End a request and release everything it holds, now (finish, stop, abort, error)."""
+        if req.status is RequestStatus.RUNNING:
+            self.kv.free(req.request_id)
+            del self._num_known[req.request_id]
+            self.running.remove(req)
+        elif req.status in (RequestStatus.WAITING, RequestStatus.SWAPPED):
+            self.waiting.remove(req)
+            tables = self._swap_tables.pop(req.request_id, None)
+            if tables is not None:
+                self.swapped_bytes -= self._bytes_of(tables)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+
+    def after_step(self, done: ScheduledSeq) -> None:
+        """Record that a scheduled chunk's KV is now computed."""
+        done.request.num_computed_tokens += done.num_new_tokens

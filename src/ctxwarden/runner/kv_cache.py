@@ -42,6 +42,18 @@ class LayerKV:
     sink_tokens: int
 
 
+@dataclass(frozen=True)
+class PageCopy:
+    """A copy of one page's contents (every tensor pair's row), e.g. for swap to host."""
+
+    keys: tuple[torch.Tensor, ...]  # layers_per_group x [block_size, num_kv_heads, head_dim]
+    values: tuple[torch.Tensor, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.keys + self.values)
+
+
 class PagedKVCache:
     """K/V tensors for `num_blocks` pages of `layout`, allocated (and touched) once."""
 
@@ -83,3 +95,15 @@ class PagedKVCache:
         flat_v = layer.value.view(-1, *layer.value.shape[2:])
         flat_k.index_copy_(0, slot_mapping, key.to(flat_k.dtype))
         flat_v.index_copy_(0, slot_mapping, value.to(flat_v.dtype))
+
+    def read_page(self, block_id: int) -> PageCopy:
+        """Copy page `block_id` out of the pool (the page itself is left as it is)."""
+        return PageCopy(tuple(k[block_id].clone() for k in self.keys),
+                        tuple(v[block_id].clone() for v in self.values))
+
+    def write_page(self, block_id: int, page: PageCopy) -> None:
+        """Overwrite page `block_id` with a copy taken by `read_page`."""
+        if len(page.keys) != len(self.keys):
+            raise ValueError(f"page copy holds {len(page.keys)} layers, the pool has {len(self.keys)} per page")
+        for dst, src in zip(self.keys + self.values, page.keys + page.values):
+            dst[block_id].copy_(src)

@@ -111,6 +111,7 @@ class SequenceExists(CtxwardenError, ValueError):
 class KVSlotReleased(CtxwardenError, LookupError):
     """A token position whose block a sliding window (or no allocation) does not hold."""
 
+
 class WeightsError(CtxwardenError, ValueError):
     """A checkpoint's tensors cannot be loaded: missing, misshapen or of an unsupported type.
 
@@ -179,18 +180,7 @@ class RequiredContextExceeded(CtxwardenError, ValueError):
             f"the budget is {budget_tokens}. Raise the budget, shorten them, or mark fewer as required.")
 
 
-
 class ChunkTooSmall(CtxwardenError, ValueError):
     """A single character needs more tokens than a chunk's max_tokens allows."""
 
 
-class QueueFull(CtxwardenError, RuntimeError):
-    """The bounded waiting queue is full: try again later (the server answers 429)."""
-
-    def __init__(self, num_waiting: int, max_waiting: int):
-        self.num_waiting = num_waiting
-        self.max_waiting = max_waiting
-        super().__init__(
-            f"The waiting queue is full ({num_waiting} of {max_waiting} requests waiting). "
-            "Retry after a short delay, or raise max_waiting."
-        )

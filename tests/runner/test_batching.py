@@ -67,3 +67,22 @@ def test_mixed_lengths_in_one_forward_then_batched_decode(tiny_model, arch, opti
             diffs.append(late.check_prefill(outs[-1]))
     assert max(diffs) < TOL, f"max |logit diff| {max(diffs):.2e}"
     assert all(s.step == NUM_DECODE for s in seqs)
+
+
+def test_page_copied_out_and_back_to_another_page_keeps_logits(tiny_model):
+    """Swap: pages read out of the pool and written into other pages (a new block table)
+    give the same decode logits as the original pages."""
+    model_dir = tiny_model("llama")
+    runner = make_runner(model_dir, 16, 64, num_seqs=2)
+    prompt = prompt_ids(40, 512)
+    table = (tuple(range(3)),)
+    runner.forward(ForwardBatch((SequenceInput.chunk(prompt, 0, table),)))
+    step = ForwardBatch((SequenceInput.chunk([7], 40, table),))
+    copies = [runner.kv_cache.read_page(b) for b in table[0]]
+    moved = (tuple(range(3, 6)),)
+    for b, page in zip(moved[0], copies):
+        runner.kv_cache.write_page(b, page)
+    assert copies[0].nbytes == runner.layout.page_bytes
+    expected = runner.forward(step)
+    got = runner.forward(ForwardBatch((SequenceInput.chunk([7], 40, moved),)))
+    assert torch.equal(expected, got)

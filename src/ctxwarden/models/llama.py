@@ -157,7 +157,7 @@ class LlamaForCausalLM:
         x = self.embed(step.input_ids)  # [T, hidden]
         for layer_id, w in enumerate(self.layers):
             x = self.decoder_layer(layer_id, w, x, step, rope, kv_cache, backend)
-        x = x[step.logits_indices]  # only the rows sampled: the lm_head is the largest matmul
+        x = x.index_select(0, step.logits_indices)  # only the rows sampled: the lm_head is the largest matmul
         return self.norm(x, self.final_norm)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -165,7 +165,7 @@ class LlamaForCausalLM:
         return (hidden @ self.lm_head.t()).float()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens[input_ids]
+        return self.embed_tokens.index_select(0, input_ids)  # not [ids]: see attention._gather
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, weight, self.spec.rms_norm_eps, self.norm_offset)

@@ -68,6 +68,14 @@ class TorchPagedAttention(AttentionBackend):
         return out
 
 
+def _gather(flat: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `slots` (any shape) of the flat pool [slots, Hkv, D] as one dense tensor."""
+    # index_select, not flat[slots]: advanced indexing is 10-1000x slower here (its
+    # parallel kernel stalls on the shared cores), index_select is a plain row copy.
+    rows = flat.index_select(0, slots.reshape(-1))
+    return rows.view(*slots.shape, *flat.shape[1:]).to(dtype)
+
+
 def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, params: AttentionParams) -> torch.Tensor:
     """Boolean mask [..., n, m] of the masking rule for query/key positions."""
     dist = q_pos[..., :, None] - k_pos[..., None, :]
@@ -81,8 +89,8 @@ def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, params: AttentionParams) 
 
 
 def _prefill_one(q, q_sink, flat_k, flat_v, s: SequenceKeys, params: AttentionParams):
-    k = flat_k[s.key_slots].to(q.dtype)  # [m, Hkv, D]: the gather
-    v = flat_v[s.key_slots].to(q.dtype)
+    k = _gather(flat_k, s.key_slots, q.dtype)  # [m, Hkv, D]
+    v = _gather(flat_v, s.key_slots, q.dtype)
     if params.softcap is None and q_sink is None:
         return _sdpa(q, k, v, s, params)
     outs = []
@@ -135,8 +143,8 @@ def _grouped(q, b, n, hkv, group, d):
 
 
 def _decode(q, q_sink, flat_k, flat_v, dk: DecodeKeys, params: AttentionParams):
-    k = flat_k[dk.key_slots].to(q.dtype)  # [B, M, Hkv, D]
-    v = flat_v[dk.key_slots].to(q.dtype)
+    k = _gather(flat_k, dk.key_slots, q.dtype)  # [B, M, Hkv, D]
+    v = _gather(flat_v, dk.key_slots, q.dtype)
     mask = _allowed(dk.query_positions[:, None], dk.key_positions, params)[:, 0] & dk.is_valid
     sink_keys = None
     if q_sink is not None:

@@ -42,6 +42,18 @@ class LayerKV:
     sink_tokens: int
 
 
+@dataclass(frozen=True)
+class PageCopy:
+    """A copy of one page's contents (every tensor pair's row), e.g. for swap to host."""
+
+    keys: tuple[torch.Tensor, ...]  # layers_per_group x [block_size, num_kv_heads, head_dim]
+    values: tuple[torch.Tensor, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.keys + self.values)
+
+
 class PagedKVCache:
     """K/V tensors for `num_blocks` pages of `layout`, allocated (and touched) once."""
 
@@ -84,16 +96,14 @@ class PagedKVCache:
         flat_k.index_copy_(0, slot_mapping, key.to(flat_k.dtype))
         flat_v.index_copy_(0, slot_mapping, value.to(flat_v.dtype))
 
-    def read_page(self, block_id: int) -> torch.Tensor:
-        """A copy of one page across every tensor pair: [2, layers_per_group, block, heads, dim].
+    def read_page(self, block_id: int) -> PageCopy:
+        """Copy page `block_id` out of the pool (the page itself is left as it is)."""
+        return PageCopy(tuple(k[block_id].clone() for k in self.keys),
+                        tuple(v[block_id].clone() for v in self.values))
 
-        Used to swap a preempted sequence to host memory; `write_page` puts it back.
-        """
-        return torch.stack([torch.stack([k[block_id] for k in self.keys]),
-                            torch.stack([v[block_id] for v in self.values])])
-
-    def write_page(self, block_id: int, page: torch.Tensor) -> None:
-        """Restore a page saved by `read_page` into block `block_id`."""
-        for j, (k, v) in enumerate(zip(self.keys, self.values)):
-            k[block_id].copy_(page[0, j])
-            v[block_id].copy_(page[1, j])
+    def write_page(self, block_id: int, page: PageCopy) -> None:
+        """Overwrite page `block_id` with a copy taken by `read_page`."""
+        if len(page.keys) != len(self.keys):
+            raise ValueError(f"page copy holds {len(page.keys)} layers, the pool has {len(self.keys)} per page")
+        for dst, src in zip(self.keys + self.values, page.keys + page.values):
+            dst[block_id].copy_(src)

@@ -30,6 +30,7 @@ from ctxwarden.plan import kv_bytes_per_token, plan_memory
 from ctxwarden.plan.params import count_parameters
 from ctxwarden.request import FinishReason, Request, RequestStatus, StepOutput
 from ctxwarden.runner.inputs import ForwardBatch, SequenceInput
+from ctxwarden.runner.kv_cache import PageCopy
 from ctxwarden.runner.model_runner import ModelRunner, RunnerConfig
 from ctxwarden.sampling import SamplingParams
 from ctxwarden.sampling.detokenize import IncrementalDetokenizer
@@ -86,7 +87,7 @@ class Engine:
         self.eos_token_ids = set(self.spec.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()))
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
-        self._host_pages: dict[str, dict[tuple[int, int], torch.Tensor]] = {}
+        self._host_pages: dict[str, dict[tuple[int, int], PageCopy]] = {}
         self._pending: list[StepOutput] = []
         self._ids = itertools.count()
         self._counters = {"steps": 0, "generated": 0, "prompt": 0}

@@ -164,3 +164,27 @@ def test_stopping_a_stream_early_releases_its_blocks(tiny_dir):
     next(stream), next(stream)
     stream.close()
     _assert_clean(llm)
+
+
+def test_a_failed_step_ends_its_requests_and_leaks_nothing(tiny_dir, monkeypatch):
+    llm = LLM(str(tiny_dir), kv_memory="8MiB")
+    eng = llm.engine
+    prompt = _prompts(1, 100, 100, seed=11)[0]
+    real_forward = eng.runner.forward
+
+    def broken(batch):  # fault injection: the real runner, failing on its first call
+        raise RuntimeError("simulated device fault")
+
+    monkeypatch.setattr(eng.runner, "forward", broken)
+    req = eng.add_request(prompt, GREEDY)
+    outs = eng.step()
+    assert [(o.finish_reason, o.error) for o in outs] == [(FinishReason.ERROR, "RuntimeError: simulated device fault")]
+    assert eng.stats().kv.num_blocks_in_use == 0 and not eng.scheduler.has_work
+    monkeypatch.setattr(eng.runner, "forward", real_forward)
+    # the failed step's blocks were never written: the same prompt must not hit them
+    again = eng.add_request(prompt, GREEDY)
+    while not again.is_finished:
+        eng.step()
+    assert again.num_cached_tokens == 0
+    assert tuple(again.output_token_ids) == LLM(str(tiny_dir), kv_memory="8MiB").generate([prompt], GREEDY)[0].token_ids
+    _assert_clean(llm)

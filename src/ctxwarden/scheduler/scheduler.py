@@ -208,7 +208,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> Preemption:
         tables = self.kv.block_tables(req.request_id)
         mode = self._preemption_mode(req, tables)
-        self.kv.free(req.request_id)
+        self.kv.free(req.request_id, req.num_computed_tokens)
         del self._num_known[req.request_id]
         self.running.remove(req)
         req.num_preemptions += 1
@@ -238,7 +238,9 @@ class Scheduler:
     def finish(self, req: Request, reason: FinishReason) -> None:
         """End a request and release everything it holds, now (finish, stop, abort, error)."""
         if req.status is RequestStatus.RUNNING:
-            self.kv.free(req.request_id)
+            # only computed tokens' blocks may stay in the prefix cache: after a failed step
+            # the slots of this step's chunk hold nothing
+            self.kv.free(req.request_id, req.num_computed_tokens)
             del self._num_known[req.request_id]
             self.running.remove(req)
         elif req.status in (RequestStatus.WAITING, RequestStatus.SWAPPED):

@@ -16,12 +16,14 @@ COMMANDS = {
     "plan": "plan",
     "make-model": "make_model",
     "generate": "generate",
+    "serve": "serve",
 }
 
 _HELP = {
     "plan": "Exact KV-cache and memory plan for a model and a budget.",
     "make-model": "Write a random-weight Hugging Face checkpoint (and a trained BPE tokenizer).",
     "generate": "Generate text for one prompt with the paged engine.",
+    "serve": "Serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /metrics).",
 }
 
 

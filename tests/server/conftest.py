@@ -49,6 +49,12 @@ def api_keys():
 
 
 @pytest.fixture(scope="session")
+def long_window_dir(tmp_path_factory):
+    """A tiny llama with an 8192-token window (fallback target; long-running requests)."""
+    return _checkpoint(tmp_path_factory, "tiny-long", 8192)
+
+
+@pytest.fixture(scope="session")
 def key_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("keys") / "keys.txt"
     path.write_text("# test tenants\n" + "".join(f"{k} {t}  # {t}'s key\n" for k, t in KEYS.items()) + "\n")
@@ -99,8 +105,14 @@ class LiveServer:
             time.sleep(0.05)
 
 
+@pytest.fixture(scope="session")
+def serve():
+    """`serve(config)`: a context manager running a server for one test."""
+    return _serve
+
+
 @contextmanager
-def serve(config: ServerConfig):
+def _serve(config: ServerConfig):
     """Run create_app(config) under uvicorn in a thread until the block ends."""
     import uvicorn
 
@@ -132,7 +144,7 @@ def serve(config: ServerConfig):
 @pytest.fixture(scope="session")
 def tiny_server(tiny_dir, key_file):
     """The tiny model behind two tenants' keys."""
-    with serve(ServerConfig(model=str(tiny_dir), kv_memory="8MiB", api_keys=str(key_file),
+    with _serve(ServerConfig(model=str(tiny_dir), kv_memory="8MiB", api_keys=str(key_file),
                             max_body_bytes=256 * 1024)) as s:
         yield s
 

@@ -316,6 +316,8 @@ class _Call:
             if self.job.is_chat:
                 for c in self.gen.choices:
                     yield responses.sse(responses.chat_role_chunk(self.api_id, self.created, model, c.index))
+            else:
+                yield ": admitted\n\n"  # an SSE comment: headers go out now, even while queued
             while not self.gen.is_finished:
                 choice, out = await self.gen.next()
                 if out.error:
@@ -403,32 +405,44 @@ class RequestContextMiddleware:
         headers = dict(scope.get("headers") or [])
         rid = _clean_request_id(headers.get(b"x-request-id", b"").decode("latin-1"))
         token = request_id_var.set(rid)
+        send = _with_request_id(send, rid)
         try:
             length = headers.get(b"content-length", b"").decode("latin-1")
             if length.isdigit() and int(length) > self.max_body_bytes:
-                return await self._too_large(int(length))(scope, receive, _with_request_id(send, rid))
-            await self.app(scope, self._limited(receive), _with_request_id(send, rid))
+                return await self._too_large(f"is {int(length)} bytes")(scope, receive, send)
+            messages = await self._read_body(receive)
+            if messages is None:
+                return await self._too_large("exceeds that")(scope, receive, send)
+            await self.app(scope, _replay(messages, receive), send)
         finally:
             request_id_var.reset(token)
 
-    def _too_large(self, num_bytes: int) -> Response:
-        return APIError(413, f"The request body is {num_bytes} bytes; this server accepts at most "
-                        f"{self.max_body_bytes} (--max-body-bytes).", param="body",
-                        code="request_too_large").response()
+    def _too_large(self, what: str) -> Response:
+        return APIError(413, f"The request body {what}; this server accepts at most {self.max_body_bytes} "
+                        "bytes (--max-body-bytes).", param="body", code="request_too_large").response()
 
-    def _limited(self, receive):
-        seen = 0
-
-        async def limited():
-            nonlocal seen
+    async def _read_body(self, receive) -> list[dict] | None:
+        """The body's messages, read up front (None past the limit: chunked bodies have no length)."""
+        messages, num_bytes = [], 0
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_body_bytes:
-                    raise APIError(413, f"The request body exceeds {self.max_body_bytes} bytes "
-                                   "(--max-body-bytes).", param="body", code="request_too_large")
-            return message
-        return limited
+            messages.append(message)
+            if message["type"] != "http.request":
+                return messages
+            num_bytes += len(message.get("body", b""))
+            if num_bytes > self.max_body_bytes:
+                return None
+            if not message.get("more_body", False):
+                return messages
+
+
+def _replay(messages: list[dict], receive):
+    """A receive() that returns the buffered body first, then the live channel (disconnects)."""
+    pending = list(messages)
+
+    async def replay():
+        return pending.pop(0) if pending else await receive()
+    return replay
 
 
 def _with_request_id(send, rid: str):

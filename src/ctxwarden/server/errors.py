@@ -75,8 +75,9 @@ def _param_of(loc: tuple) -> str | None:
 
 
 def _is_type_tag(part: str) -> bool:
-    # pydantic puts union branch names ('str', 'list[int]', 'function-after[...]') into loc.
-    return any(c in part for c in "[]()") or part in {"str", "int", "float", "bool", "list", "dict"}
+    # pydantic puts union branch names ('str', 'list[int]', 'constrained-str') into loc;
+    # request fields are plain identifiers.
+    return not part.isidentifier() or part in {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 def validation_error(exc: RequestValidationError) -> APIError:
@@ -107,7 +108,9 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), kind, code=kind if exc.status_code == 404 else None,
+        param = "body" if exc.status_code == 400 else None  # FastAPI's "error parsing the body"
+        return APIError(exc.status_code, str(exc.detail), kind, param=param,
+                        code=kind if exc.status_code == 404 else None,
                         headers=getattr(exc, "headers", None)).response()
 
     @app.exception_handler(Exception)

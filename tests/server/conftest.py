@@ -61,6 +61,12 @@ def key_file(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="session", name="free_port")
+def free_port_fixture():
+    """`free_port()`: a loopback port nobody listens on."""
+    return free_port
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

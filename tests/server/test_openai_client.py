@@ -44,6 +44,19 @@ def test_completions_logprobs_are_consistent_with_greedy(openai_client, tiny_mod
         assert chosen == pytest.approx(max(top.values()), abs=1e-5)  # greedy picks the argmax
 
 
+def test_completions_streamed_equal_plain_with_two_prompts(openai_client, tiny_model_id):
+    kw = dict(model=tiny_model_id, prompt=["Once upon a time", "The end"], max_tokens=7, temperature=0,
+              extra_body={"ignore_eos": True})
+    plain = openai_client.completions.create(**kw)
+    texts = {0: "", 1: ""}
+    for chunk in openai_client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert [c.index for c in plain.choices] == [0, 1]
+    assert [texts[0], texts[1]] == [c.text for c in plain.choices] and texts[0] != texts[1]
+    assert plain.usage.completion_tokens == 14
+
+
 def test_chat_logprobs_and_top_logprobs(openai_client, tiny_model_id):
     out = openai_client.chat.completions.create(model=tiny_model_id, messages=MSGS, max_tokens=4,
                                                 temperature=0, logprobs=True, top_logprobs=2,

@@ -22,7 +22,7 @@ test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 serve: install
-	$(BIN)/ctxwarden plan
+	$(BIN)/ctxwarden serve --host 127.0.0.1 --port 8000
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

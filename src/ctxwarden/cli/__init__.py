@@ -19,27 +19,18 @@ COMMANDS = {
     "count": "count",
     "fit": "fit",
     "chunk": "chunk",
+    "serve": "serve",
 }
-
-_HELP = {
-    "plan": "Exact KV-cache and memory plan for a model and a budget.",
-    "make-model": "Write a random-weight Hugging Face checkpoint (and a trained BPE tokenizer).",
-    "generate": "Generate text for one prompt with the paged engine.",
-
-    "count": "Count the tokens of a text or chat exactly (tokenizer.json, GGUF, tiktoken).",
-    "fit": "Fit a prompt into a window: error, truncate-head/middle/tail, keep-tail-semantic or chunk.",
-    "chunk": "Split a text into chunks of at most N tokens (exact), with overlap and character offsets.",
-}
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ctxwarden", description="Long-context LLM inference runtime.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, module in COMMANDS.items():
-        p = sub.add_parser(name, help=_HELP.get(name, ""), description=_HELP.get(name, ""))
+        mod = _load(module)  # command modules import only argparse at top level
+        p = sub.add_parser(name, help=mod.HELP, description=mod.HELP)
         p.set_defaults(_module=module)
-        _load(module).add_arguments(p)
+        mod.add_arguments(p)
     return parser
 
 

@@ -1,0 +1,111 @@
+"""`ctxwarden serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn).
+
+SIGTERM (or Ctrl+C) drains: new requests get 503 + Retry-After, running ones finish (up
+to --drain-timeout), then the server exits 0. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import time
+
+HELP = "Serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /metrics)."
+
+_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF model directory or .gguf (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--fallback-model", default=None,
+                   help="a larger-window model that serves prompts over --model's window")
+    p.add_argument("--served-model-name", default=None, help="the primary model's id in the API")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-keys", default=None, metavar="FILE",
+                   help="file of 'API_KEY TENANT_NAME' lines (# comments); without it, no auth, one tenant")
+    p.add_argument("--allow-anonymous", action="store_true",
+                   help="allow a non-loopback --host without --api-keys")
+    p.add_argument("--kv-memory", default="1GiB", help="KV pool size per model, e.g. 1GiB")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
+    p.add_argument("--max-waiting", type=int, default=256, help="waiting-queue bound (429 past it)")
+    p.add_argument("--max-batched-tokens", type=int, default=2048, help="tokens per engine step")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="413 past this request size")
+    p.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to let requests finish on SIGTERM")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from ctxwarden.server.app import RequestIdLogFilter, ServerConfig, create_app
+
+    _check_exposure(args)
+    config = ServerConfig(model=args.model, fallback_model=args.fallback_model,
+                          served_model_name=args.served_model_name, kv_memory=args.kv_memory,
+                          max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
+                          max_batched_tokens=args.max_batched_tokens, dtype=args.dtype,
+                          api_keys=args.api_keys, max_body_bytes=args.max_body_bytes,
+                          drain_timeout_s=args.drain_timeout)
+    _configure_logging(args.log_level, RequestIdLogFilter())
+    app = create_app(config)
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_config=None,
+                                           log_level=args.log_level, timeout_graceful_shutdown=5))
+    server.state, server.drain_timeout_s = app.state.server, args.drain_timeout
+    server.run()
+    return 0
+
+
+def _check_exposure(args: argparse.Namespace) -> None:
+    """Refuse to serve everyone without keys unless asked to explicitly."""
+    try:
+        is_loopback = ipaddress.ip_address(args.host).is_loopback
+    except ValueError:
+        is_loopback = args.host == "localhost"
+    if not is_loopback and not args.api_keys and not args.allow_anonymous:
+        raise ValueError(f"--host {args.host} is reachable from other machines but no --api-keys file is "
+                         "given; add --api-keys FILE, or --allow-anonymous to serve without keys")
+
+
+def _configure_logging(level: str, request_filter: logging.Filter) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(_LOG_FORMAT))
+    handler.addFilter(request_filter)
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def _server_class():
+    import uvicorn
+
+    class _DrainingServer(uvicorn.Server):
+        """uvicorn, but the first SIGTERM/SIGINT drains before exiting."""
+
+        state = None
+        drain_timeout_s = 60.0
+        _drain_deadline: float | None = None
+
+        def handle_exit(self, sig, frame) -> None:
+            if self._drain_deadline is None and self.state is not None:
+                logging.getLogger("ctxwarden.server").info(
+                    "signal %d: draining %d request(s), refusing new ones", sig, self.state.in_flight)
+                self.state.begin_drain()
+                self._drain_deadline = time.monotonic() + self.drain_timeout_s
+                return  # not recorded as captured: a finished drain exits 0
+            super().handle_exit(sig, frame)
+
+        async def on_tick(self, counter: int) -> bool:
+            if self._drain_deadline is not None and not self.should_exit:
+                if self.state.in_flight == 0 or time.monotonic() > self._drain_deadline:
+                    self.should_exit = True
+            return await super().on_tick(counter)
+
+    return _DrainingServer
+
+
+def DrainingServer(config):  # noqa: N802 - reads as the class it builds
+    """A uvicorn.Server that drains on the first SIGTERM (class built lazily: uvicorn imports late)."""
+    return _server_class()(config)

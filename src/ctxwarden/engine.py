@@ -266,7 +266,7 @@ class Engine:
             if detok is not None and not detok.is_finished:
                 delta += detok.flush()
             req.stop_reason = stop_string or (token if token in req.params.stop_token_ids else None)
-            self._finish(req, FinishReason(str(reason)))
+            self._finish(req, reason)
         req.output_text += delta
         return self._output(req, (token,), delta, (scored,) if req.params.logprobs is not None else ())
 

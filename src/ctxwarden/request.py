@@ -20,6 +20,9 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"  # the caller (or a disconnected client) aborted it
     ERROR = "error"  # the step failed for this request; its blocks are released all the same
 
+    def __str__(self) -> str:
+        return self.value
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, holds no blocks (or only prefix-cached ones after preemption)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
-from ctxwarden.sampling.stop import FinishReason
+from ctxwarden.request import FinishReason
 
 REPLACEMENT_CHAR = "\ufffd"
 _CONTEXT_TOKENS = 5  # prompt tokens decoded along with the first output tokens

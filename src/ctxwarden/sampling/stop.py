@@ -7,20 +7,10 @@ the same step, since the model did choose to stop.
 
 from __future__ import annotations
 
-from enum import Enum
 from typing import Collection
 
+from ctxwarden.request import FinishReason
 from ctxwarden.sampling.params import SamplingParams
-
-
-class FinishReason(str, Enum):
-    """Why a sequence ended, spelled as the OpenAI API spells it (compares equal to str)."""
-
-    STOP = "stop"  # EOS, a stop token id or a stop string
-    LENGTH = "length"  # max_tokens reached
-
-    def __str__(self) -> str:
-        return self.value
 
 
 def check_finish(params: SamplingParams, last_token_id: int, num_output_tokens: int,

@@ -188,3 +188,19 @@ def test_a_failed_step_ends_its_requests_and_leaks_nothing(tiny_dir, monkeypatch
     assert again.num_cached_tokens == 0
     assert tuple(again.output_token_ids) == LLM(str(tiny_dir), kv_memory="8MiB").generate([prompt], GREEDY)[0].token_ids
     _assert_clean(llm)
+
+
+def test_a_checkpoint_without_tokenizer_runs_on_token_ids(tmp_path):
+    from ctxwarden.models.random_checkpoint import MakeModelOptions, make_checkpoint
+
+    bare = make_checkpoint(MakeModelOptions(arch="qwen2", out_dir=tmp_path / "bare", hidden_size=32,
+                                            num_layers=1, num_heads=2, num_kv_heads=1, vocab_size=300,
+                                            with_tokenizer=False))
+    llm = LLM(str(bare), kv_memory="4MiB")
+    assert llm.tokenizer is None
+    out = llm.generate([[1, 2, 3, 4]], GREEDY)[0]
+    assert len(out.token_ids) == 12 and out.text == ""
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate(["some text"], GREEDY)
+    with pytest.raises(ValueError, match=r"\[0, 300\)"):
+        llm.generate([[1, 999]], GREEDY)

@@ -20,6 +20,7 @@ Invariant between steps: for every running request, the KV manager holds exactly
 from __future__ import annotations
 
 import bisect
+import logging
 from dataclasses import dataclass
 
 from ctxwarden.errors import ContextLengthExceeded, KVCapacityExceeded, QueueFull
@@ -27,6 +28,8 @@ from ctxwarden.kv import KVCacheManager
 from ctxwarden.plan.kv import blocks_needed, max_sequence_tokens
 from ctxwarden.request import FinishReason, Request, RequestStatus
 from ctxwarden.scheduler.policy import PreemptionCost, choose_preemption_mode
+
+log = logging.getLogger("ctxwarden.scheduler")
 
 
 @dataclass(frozen=True)
@@ -221,6 +224,9 @@ class Scheduler:
             req.status = RequestStatus.WAITING
             req.num_computed_tokens = 0  # its full blocks stay cached: the recompute hits them
         bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
+        log.info("preempted %s by %s: %d computed tokens, %d blocks freed (preemption #%d of it)",
+                 req.request_id, mode, req.num_computed_tokens if mode == "swap" else 0,
+                 sum(b is not None for t in tables for b in t), req.num_preemptions)
         return Preemption(req, mode, tables)
 
     def _preemption_mode(self, req: Request, tables) -> str:

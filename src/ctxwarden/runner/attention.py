@@ -19,6 +19,7 @@ Sink keys are scored against the query rotated at min(p, sinks + window - 1) (St
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,10 @@ from ctxwarden.runner.inputs import DecodeKeys, GroupInputs, SequenceKeys
 from ctxwarden.runner.kv_cache import LayerKV
 
 _EAGER_QUERY_BLOCK = 256  # query rows per eager block: bounds scores to 256 x keys x heads
+# Batch-1 decode over at most this many keys runs its small ops on one thread: each op
+# that enters the thread pool costs ~50 us of wake-up under OMP_WAIT_POLICY=PASSIVE, more
+# than the op (150 keys: 318 -> 59 us per layer; at 2048 keys two threads win again).
+_ONE_THREAD_MAX_KEYS = 1024
 # Flash attention that also returns the log-sum-exp (a private ATen op of CPU builds);
 # without it, chunks after the first take the masked SDPA path.
 _FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -172,20 +177,43 @@ def _grouped(q, b, n, hkv, group, d):
 
 
 def _decode(q, q_sink, flat_k, flat_v, dk: DecodeKeys, params: AttentionParams):
-    k = _gather(flat_k, dk.key_slots, q.dtype)  # [B, M, Hkv, D]
-    v = _gather(flat_v, dk.key_slots, q.dtype)
-    mask = _allowed(dk.query_positions[:, None], dk.key_positions, params)[:, 0] & dk.is_valid
-    if q_sink is None and params.softcap is None:
-        if q.shape[0] == 1:
+    fast = q_sink is None and params.softcap is None
+    if fast and q.shape[0] == 1:
+        small = dk.key_slots.shape[1] <= _ONE_THREAD_MAX_KEYS
+        with _threads(1 if small else torch.get_num_threads()):
+            k, v, mask = _decode_gather(q, flat_k, flat_v, dk, params)
             return _decode_one(q[0], k[0], v[0], mask[0], params)[None]
-        if q.dtype == torch.float32:  # SDPA's decode is pathological in bf16 (PERF-NOTES)
-            return _decode_sdpa(q, k, v, mask, params)
+    k, v, mask = _decode_gather(q, flat_k, flat_v, dk, params)
+    if fast and q.dtype == torch.float32:  # SDPA's decode is pathological in bf16 (PERF-NOTES)
+        return _decode_sdpa(q, k, v, mask, params)
     sink_keys = None
     if q_sink is not None:
         sink_keys = (dk.key_positions < params.sink_tokens)[:, None, None, None, :]  # [B,1,1,1,M]
     out = _eager(q[:, None], None if q_sink is None else q_sink[:, None], k, v, mask[:, None],
                  sink_keys, params)
     return out[:, 0]  # [B, Hq, D]
+
+
+def _decode_gather(q, flat_k, flat_v, dk: DecodeKeys, params: AttentionParams):
+    """Keys/values [B, M, Hkv, D] of a decode step and the mask [B, M] of which may be read."""
+    k = _gather(flat_k, dk.key_slots, q.dtype)
+    v = _gather(flat_v, dk.key_slots, q.dtype)
+    mask = _allowed(dk.query_positions[:, None], dk.key_positions, params)[:, 0] & dk.is_valid
+    return k, v, mask
+
+
+@contextmanager
+def _threads(num_threads: int):
+    """Run the block with `num_threads` intra-op threads, then restore (switching is ~free)."""
+    before = torch.get_num_threads()
+    if num_threads == before:
+        yield
+        return
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _decode_one(q, k, v, mask, params: AttentionParams):

@@ -29,6 +29,7 @@ class LinearWeight:
 
     @property
     def nbytes(self) -> int:
+        """Bytes the (possibly reordered) weight holds."""
         return self.weight.nbytes
 
 

@@ -86,10 +86,18 @@ def peak_rss_mb() -> float:
 # children: one peer, one workload, one JSON line on stdout
 
 
+# The KV pool is allocated (and touched) whole at start-up, so it is sized to the workload,
+# as an operator would size it, with room to spare: SmolLM2 fp32 holds 46,080 B per token
+# (throughput 16 x 640 tokens = 472 MB, long_prompt 8,001 tokens = 369 MB). Peers allocate
+# only what they use, so a 2 GiB pool here would measure the setting, not the engine.
+KV_MEMORY = {"throughput": "640MiB", "long_prompt": "400MiB", "decode": "64MiB",
+             "prefix_cache": "512MiB"}
+
+
 def child_ctxwarden(workload: str, quick: bool) -> dict:
     from ctxwarden import LLM, SamplingParams
 
-    llm = LLM(kv_memory="2GiB", max_batched_tokens=2048)
+    llm = LLM(kv_memory=KV_MEMORY.get(workload, "2GiB"), max_batched_tokens=2048)
     encode = lambda t: llm.tokenizer.encode(t)  # noqa: E731
     if workload == "prefix_cache":
         return _ctx_prefix_cache(llm, encode, quick)

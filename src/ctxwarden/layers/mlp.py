@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ctxwarden.layers.linear import LinearWeight, linear
+
 
 def activation(name: str):
     """The elementwise function a config's `hidden_act` names (silu, gelu, gelu_pytorch_tanh)."""
@@ -20,8 +22,8 @@ def activation(name: str):
     return table[name]
 
 
-def gated_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act) -> torch.Tensor:
+def gated_mlp(x: torch.Tensor, gate_up: LinearWeight, down: LinearWeight, act) -> torch.Tensor:
     """x [T, hidden] -> [T, hidden]; `gate_up` [2 * inter, hidden] is gate rows then up rows."""
-    gu = x @ gate_up.t()  # [T, 2 * inter]: one matmul reads the input once
+    gu = linear(x, gate_up)  # [T, 2 * inter]: one matmul reads the input once
     gate, up = gu.chunk(2, dim=-1)
-    return (act(gate) * up) @ down.t()
+    return linear(act(gate) * up, down)

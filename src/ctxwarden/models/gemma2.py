@@ -16,6 +16,7 @@ import math
 import torch
 
 from ctxwarden.config import ModelSpec
+from ctxwarden.layers.linear import linear
 from ctxwarden.layers.mlp import gated_mlp
 from ctxwarden.models.llama import LayerWeights, LlamaForCausalLM
 from ctxwarden.runner.attention import AttentionParams
@@ -54,6 +55,6 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         return x + self.norm(mlp, w.post_ffn_norm)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = (hidden @ self.lm_head.t()).float()
+        logits = linear(hidden, self.lm_head).float()
         cap = self.spec.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap

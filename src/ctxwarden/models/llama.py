@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ctxwarden.config import ModelSpec
+from ctxwarden.layers.linear import LinearWeight, linear, pack_linear
 from ctxwarden.layers.mlp import activation, gated_mlp
 from ctxwarden.layers.norm import rms_norm
 from ctxwarden.layers.rotary import RotaryEmbedding, apply_rotary
@@ -36,14 +37,14 @@ class LayerWeights:
     """One decoder layer's tensors, in the runtime's fused layout."""
 
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, hidden]
+    qkv: LinearWeight  # [(Hq + 2 Hkv) * D, hidden]
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor  # [hidden, Hq * D]
+    o: LinearWeight  # [hidden, Hq * D]
     q_norm: torch.Tensor | None  # [D] (qwen3)
     k_norm: torch.Tensor | None
     post_attn_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * inter, hidden]
-    down: torch.Tensor  # [hidden, inter]
+    gate_up: LinearWeight  # [2 * inter, hidden]
+    down: LinearWeight  # [hidden, inter]
     pre_ffn_norm: torch.Tensor | None = None  # gemma2 only
     post_ffn_norm: torch.Tensor | None = None
 
@@ -62,8 +63,11 @@ class LlamaForCausalLM:
 
     def __init__(self, spec: ModelSpec, embed: torch.Tensor, layers: list[LayerWeights],
                  final_norm: torch.Tensor, lm_head: torch.Tensor):
+        """`lm_head` may be `embed` itself (tied); layers hold packed projections."""
         self.spec, self.embed_tokens, self.layers = spec, embed, layers
-        self.final_norm, self.lm_head = final_norm, lm_head
+        # Reordered even when tied to the embedding (the lookup needs plain rows): the copy
+        # costs vocab x hidden bytes and buys 1.3x at one row, 3.6x at 16 rows per step.
+        self.final_norm, self.lm_head = final_norm, pack_linear(lm_head)
         self.dtype = embed.dtype
         self.act = activation(spec.hidden_act)
         self.q_size = spec.num_attention_heads * spec.head_dim
@@ -132,11 +136,11 @@ class LlamaForCausalLM:
             bias = (torch.cat([get(f"self_attn.{x}_proj.bias") for x in "qkv"])
                     if spec.attention_bias else None)
         return LayerWeights(
-            input_norm=get("input_layernorm.weight"), qkv=qkv, qkv_bias=bias,
-            o=get("self_attn.o_proj.weight"), q_norm=opt("self_attn.q_norm.weight") if spec.qk_norm else None,
+            input_norm=get("input_layernorm.weight"), qkv=pack_linear(qkv), qkv_bias=bias,
+            o=pack_linear(get("self_attn.o_proj.weight")), q_norm=opt("self_attn.q_norm.weight") if spec.qk_norm else None,
             k_norm=opt("self_attn.k_norm.weight") if spec.qk_norm else None,
-            post_attn_norm=get("post_attention_layernorm.weight"), gate_up=gate_up,
-            down=get("mlp.down_proj.weight"),
+            post_attn_norm=get("post_attention_layernorm.weight"), gate_up=pack_linear(gate_up),
+            down=pack_linear(get("mlp.down_proj.weight")),
             pre_ffn_norm=opt("pre_feedforward_layernorm.weight"),
             post_ffn_norm=opt("post_feedforward_layernorm.weight"))
 
@@ -144,11 +148,12 @@ class LlamaForCausalLM:
 
     @property
     def weights_bytes(self) -> int:
-        """Bytes of every weight tensor held (tied embeddings counted once)."""
-        tensors = {id(t): t for t in (self.embed_tokens, self.lm_head, self.final_norm)}
+        """Bytes of every weight tensor held (tied embeddings counted once; the lm_head's
+        reordered copy counted on its own, since it is memory held)."""
+        held = [self.embed_tokens, self.final_norm, self.lm_head.weight]
         for layer in self.layers:
-            tensors.update({id(t): t for t in vars(layer).values() if t is not None})
-        return sum(t.nbytes for t in tensors.values())
+            held += [getattr(t, "weight", t) for t in vars(layer).values() if t is not None]
+        return sum(t.nbytes for t in {id(t): t for t in held}.values())
 
     def forward(self, step: StepInputs, kv_cache: PagedKVCache, backend: AttentionBackend
                 ) -> torch.Tensor:
@@ -162,7 +167,7 @@ class LlamaForCausalLM:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [R, vocab] in fp32 from final hidden states [R, hidden]."""
-        return (hidden @ self.lm_head.t()).float()
+        return linear(hidden, self.lm_head).float()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens.index_select(0, input_ids)  # not [ids]: see attention._gather
@@ -184,7 +189,7 @@ class LlamaForCausalLM:
                   kv_cache: PagedKVCache, backend: AttentionBackend) -> torch.Tensor:
         """Self-attention of one layer: project, rotate, write the cache, attend, project."""
         t, d = h.shape[0], self.spec.head_dim
-        qkv = h @ w.qkv.t()
+        qkv = linear(h, w.qkv)
         if w.qkv_bias is not None:
             qkv = qkv + w.qkv_bias
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -200,7 +205,7 @@ class LlamaForCausalLM:
         kv_cache.write(layer, k, v, step.groups[layer.group_index].slot_mapping)
         out = backend.forward(q, q_sink, layer, step.groups[layer.group_index],
                               self.attention_params(layer_id, kv_cache))
-        return out.reshape(t, self.q_size) @ w.o.t()
+        return linear(out.reshape(t, self.q_size), w.o)
 
     def _step_rope(self, step: StepInputs, kv_cache: PagedKVCache) -> StepRope:
         """Cos/sin for every token of the step, per rotary in use, computed once per step."""

@@ -257,6 +257,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="quarter-size workloads (smoke run)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per child")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the runs already in the results file; replace only those run now")
     args = ap.parse_args()
     if args.child:
         peer, workload = args.child
@@ -266,7 +268,10 @@ def main() -> None:
 
     policies = ["passive", "active"] if args.omp == "both" else [args.omp]
     jobs = [(omp, w, p) for omp in policies for w in args.workloads.split(",") for p in WORKLOADS[w]]
-    results = {"machine": _machine(), "quick": args.quick, "runs": {}}
+    name = "engine_vs_hf_quick" if args.quick else "engine_vs_hf"
+    results = _previous(RESULTS / f"{name}.json") if args.merge else {}
+    results.update({"machine": _machine(), "quick": args.quick})
+    results.setdefault("runs", {})
     with Progress() as bar:
         task = bar.add_task("benchmark", total=len(jobs))
         for omp, workload, peer in jobs:
@@ -278,12 +283,15 @@ def main() -> None:
             results["runs"].setdefault(omp, {}).setdefault(workload, {})[peer] = res
             bar.advance(task)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    name = "engine_vs_hf_quick" if args.quick else "engine_vs_hf"
     (RESULTS / f"{name}.json").write_text(json.dumps(results, indent=2))
     table = render_table(results)
     (RESULTS / f"{name}.md").write_text(table)
     plot(results, RESULTS / f"{name}.png")
     print(table)
+
+
+def _previous(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def _machine() -> dict:

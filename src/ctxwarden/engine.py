@@ -146,6 +146,10 @@ class Engine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.prompt_logprobs is not None:
+            # every prompt position must be computed to be scored: a cache hit would skip
+            # some, so such a request gets a namespace of its own (vLLM skips the cache too)
+            namespace = f"{namespace}\x1fprompt-logprobs:{request_id}"
         req = Request(request_id, ids, params, namespace=namespace, priority=priority)
         req.sampling_state = _SamplingState(
             None if params.is_greedy else make_generator(params.seed),
@@ -209,8 +213,8 @@ class Engine:
     def _sequence_input(self, s: ScheduledSeq) -> SequenceInput:
         req, start = s.request, s.request.num_computed_tokens
         tables = tuple(tuple(0 if b is None else b for b in t) for t in self.kv.block_tables(req.request_id))
-        wants_prompt_lp = req.params.prompt_logprobs is not None and start < req.num_prompt_tokens
-        logits = "all" if wants_prompt_lp else ("last" if s.is_sampled else "none")
+        wants = _wants_prompt_logprobs(req, start, s.num_new_tokens)
+        logits = "all" if wants else ("last" if s.is_sampled else "none")
         return SequenceInput.chunk(req.all_token_ids[start:start + s.num_new_tokens], start, tables, logits)
 
     def _split_logits(self, scheduled, logits: torch.Tensor):
@@ -227,20 +231,25 @@ class Engine:
         return sampled, logits[rows] if rows else logits[:0]
 
     def _num_logits_rows(self, s: ScheduledSeq) -> int:
-        req = s.request
-        wants = req.params.prompt_logprobs is not None and req.num_computed_tokens - s.num_new_tokens < req.num_prompt_tokens
+        start = s.request.num_computed_tokens - s.num_new_tokens  # computed was advanced
+        wants = _wants_prompt_logprobs(s.request, start, s.num_new_tokens)
         return s.num_new_tokens if wants else int(s.is_sampled)
 
     def _record_prompt_logprobs(self, s: ScheduledSeq, rows: torch.Tensor) -> None:
-        """Logprobs of prompt tokens 1.. under the logits of the positions before them."""
+        """Logprobs of prompt tokens not scored yet, under the logits of the positions before.
+
+        Row i holds the logits of position start + i, which predict token start + i + 1.
+        """
         req = s.request
-        start = req.num_computed_tokens - s.num_new_tokens
-        targets = req.prompt_token_ids[start + 1:start + 1 + rows.shape[0]]
         if req.prompt_logprobs is None:
             req.prompt_logprobs = [None]  # the first prompt token has no context
+        start = req.num_computed_tokens - s.num_new_tokens
+        first = len(req.prompt_logprobs) - 1  # the next position whose logits score a token
+        targets = req.prompt_token_ids[first + 1:start + rows.shape[0] + 1]
         if targets:
-            window = req.prompt_token_ids[start:start + 1 + len(targets)]  # row i predicts i + 1
-            req.prompt_logprobs += prompt_logprobs(rows[:len(targets)], window, req.params.prompt_logprobs)
+            window = req.prompt_token_ids[first:first + 1 + len(targets)]
+            rows = rows[first - start:first - start + len(targets)]
+            req.prompt_logprobs += prompt_logprobs(rows, window, req.params.prompt_logprobs)
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[StepOutput]:
         rows = [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.sampling_state.generator)
@@ -328,6 +337,19 @@ class Engine:
         """Forget finished requests (their blocks were released when they finished)."""
         for rid in [rid for rid, r in self.requests.items() if r.is_finished]:
             del self.requests[rid]
+
+
+def _wants_prompt_logprobs(req: Request, start: int, num_new_tokens: int) -> bool:
+    """Whether a chunk [start, start + n) holds the next position whose logits score a token.
+
+    Scores are recorded in order. A recompute after preemption (or a partial prefix hit on
+    the request's own blocks) can start before or at that position: the chunk then scores
+    from it on; a chunk wholly before it scores nothing again.
+    """
+    if req.params.prompt_logprobs is None:
+        return False
+    first = len(req.prompt_logprobs) - 1 if req.prompt_logprobs is not None else 0
+    return start <= first < min(start + num_new_tokens, req.num_prompt_tokens - 1)
 
 
 def _leaked_blocks(audit) -> int:

@@ -204,3 +204,22 @@ def test_a_checkpoint_without_tokenizer_runs_on_token_ids(tmp_path):
         llm.generate(["some text"], GREEDY)
     with pytest.raises(ValueError, match=r"\[0, 300\)"):
         llm.generate([[1, 999]], GREEDY)
+
+
+def test_prompt_logprobs_survive_prefix_hits_and_preemption(tiny_dir):
+    prompts = _prompts(6, 60, 60, seed=12)
+    params = SamplingParams(max_tokens=30, temperature=0, prompt_logprobs=1, ignore_eos=True)
+    calm = LLM(str(tiny_dir), kv_memory="8MiB", max_batched_tokens=16).generate(prompts, params)
+    probe = LLM(str(tiny_dir), kv_memory="8MiB")
+    tight = LLM(str(tiny_dir), kv_memory=2 * 6 * _page_bytes(probe), max_batched_tokens=16,
+                preemption_mode="recompute")
+    warm = tight.generate(prompts[:1], params)  # the same prompt again below: a would-be hit
+    pressed = tight.generate(prompts, params)
+    assert tight.engine.stats().num_preemptions_recompute > 0
+    for a, b in zip(calm, pressed):
+        assert len(b.prompt_logprobs) == len(a.prompt_logprobs) == 60
+        assert [t and t.token_id for t in a.prompt_logprobs] == [t and t.token_id for t in b.prompt_logprobs]
+        assert all(x is None or abs(x.logprob - y.logprob) < 1e-4 for x, y in zip(a.prompt_logprobs, b.prompt_logprobs))
+    # the repeat of the warm prompt was scored in full, not served from the prefix cache
+    assert pressed[0].num_cached_tokens == 0
+    assert [t and t.token_id for t in warm[0].prompt_logprobs] == [t and t.token_id for t in pressed[0].prompt_logprobs]

@@ -187,6 +187,7 @@ class Engine:
         plan = self.scheduler.schedule()
         self._move_swapped_pages(plan)
         outputs, self._pending = self._pending, []
+        outputs += [self._refused(r) for r in plan.refused]
         if plan.scheduled:
             outputs += self._run(plan.scheduled)
         self._counters["steps"] += 1
@@ -278,6 +279,13 @@ class Engine:
             self._finish(req, reason)
         req.output_text += delta
         return self._output(req, (token,), delta, (scored,) if req.params.logprobs is not None else ())
+
+    def _refused(self, req: Request) -> StepOutput:
+        req.finished_s = time.monotonic()
+        self._host_pages.pop(req.request_id, None)
+        return self._output(req, (), "", (), error=(
+            f"the request could not be given KV blocks even in an empty pool of {self.num_blocks} "
+            "blocks; this is a bug in admission arithmetic, please report it"))
 
     def _fail(self, req: Request, error: Exception) -> StepOutput:
         self._finish(req, FinishReason.ERROR)

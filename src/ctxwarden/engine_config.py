@@ -24,7 +24,7 @@ class EngineConfig:
     max_waiting: int | None = None
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True
-    preemption_mode: str = "auto"  # auto | swap | recompute
+    preemption_mode: str = "auto"  # auto | swap | recompute (sliding-window layouts: recompute)
     swap_space_bytes: int = 4 * 1024**3
     window_tokens: int | None = None  # sink mode: the rolling window
     sink_tokens: int = 0  # sink mode: tokens kept at the start

@@ -223,3 +223,35 @@ def test_prompt_logprobs_survive_prefix_hits_and_preemption(tiny_dir):
     # the repeat of the warm prompt was scored in full, not served from the prefix cache
     assert pressed[0].num_cached_tokens == 0
     assert [t and t.token_id for t in warm[0].prompt_logprobs] == [t and t.token_id for t in pressed[0].prompt_logprobs]
+
+
+@pytest.fixture(scope="module")
+def sliding_dir(tmp_path_factory):
+    from ctxwarden.models.random_checkpoint import MakeModelOptions, make_checkpoint
+
+    return make_checkpoint(MakeModelOptions(arch="mistral", out_dir=tmp_path_factory.mktemp("mistral"),
+                                            hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                                            vocab_size=512, max_position=1024, sliding_window=40,
+                                            with_tokenizer=False))
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_sliding_window_engine_releases_blocks_and_keeps_outputs(sliding_dir, mode):
+    """Windows release blocks as sequences grow; chunking, batching and pressure change nothing."""
+    prompts = _prompts(8, 90, 130, seed=13)
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    alone = [LLM(str(sliding_dir), kv_memory="8MiB").generate([p], params)[0].token_ids for p in prompts[:2]]
+    probe = LLM(str(sliding_dir), kv_memory="8MiB")
+    window_blocks = -(-(40 - 1 + 16) // 16) + 1  # what a rolling group holds with 16-token chunks
+    assert probe.engine.scheduler.kv.layout.groups[0].window_tokens == 40
+    tight = LLM(str(sliding_dir), kv_memory=(window_blocks + 2) * _page_bytes(probe), max_batched_tokens=16,
+                preemption_mode=mode)
+    pressed = tight.generate(prompts, params)
+    assert [o.token_ids for o in pressed[:2]] == alone
+    # sequences of up to 190 tokens in a pool of 7 blocks (112 tokens): only possible because
+    # the window released blocks as they grew; the rest waited or were preempted
+    assert tight.engine.num_blocks == 7 < -(-190 // 16)
+    assert all(len(o.token_ids) == 60 for o in pressed)
+    # a rolling window cannot be swapped back in whole: sliding layouts always recompute
+    assert tight.engine.stats().num_preemptions_swap == 0
+    _assert_clean(tight)

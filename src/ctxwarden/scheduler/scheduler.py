@@ -82,6 +82,7 @@ class SchedulerOutput:
     scheduled: tuple[ScheduledSeq, ...]
     preempted: tuple[Preemption, ...]
     swapped_in: tuple[SwapIn, ...]
+    refused: tuple[Request, ...] = ()  # could not enter an empty pool: finished with ERROR
 
     @property
     def num_batched_tokens(self) -> int:
@@ -144,9 +145,10 @@ class Scheduler:
                 budget -= n
                 i += 1
         swapped_in: list[SwapIn] = []
+        refused: list[Request] = []
         if not preempted:
-            budget = self._admit_waiting(budget, scheduled, swapped_in)
-        return SchedulerOutput(tuple(scheduled), tuple(preempted), tuple(swapped_in))
+            budget = self._admit_waiting(budget, scheduled, swapped_in, refused)
+        return SchedulerOutput(tuple(scheduled), tuple(preempted), tuple(swapped_in), tuple(refused))
 
     def _slot_running(self, req: Request, n: int, preempted: list[Preemption]) -> bool:
         """Slot `n` tokens for a running request, preempting from the back until they fit."""
@@ -161,19 +163,33 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledSeq],
-                       swapped_in: list[SwapIn]) -> int:
+                       swapped_in: list[SwapIn], refused: list[Request]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if req.status is RequestStatus.SWAPPED:
-                if not self._swap_in(req, swapped_in):
-                    break
-                continue  # now running: scheduled from the next step on
-            n = self._admit_new(req, budget)
-            if n is None:
-                break  # FCFS: the head waits for blocks, nobody overtakes it
-            scheduled.append(ScheduledSeq(req, n, req.num_computed_tokens + n == req.num_tokens))
-            budget -= n
+                admitted = self._swap_in(req, swapped_in)
+                n = 0
+            else:
+                n = self._admit_new(req, budget)
+                admitted = n is not None
+            if not admitted:
+                if self.running or scheduled:
+                    break  # FCFS: the head waits for blocks, nobody overtakes it
+                # Nothing of ours holds a block, so the pool will never have more room:
+                # waiting would hang forever. Admission arithmetic should make this
+                # unreachable; if it is reached, end the request instead of hanging.
+                self._refuse(req, refused)
+                continue
+            if n:
+                scheduled.append(ScheduledSeq(req, n, req.num_computed_tokens + n == req.num_tokens))
+                budget -= n
         return budget
+
+    def _refuse(self, req: Request, refused: list[Request]) -> None:
+        log.error("request %s cannot enter an empty pool of %d blocks; ending it",
+                  req.request_id, self.kv.pool.num_blocks)
+        self.finish(req, FinishReason.ERROR)
+        refused.append(req)
 
     def _admit_new(self, req: Request, budget: int) -> int | None:
         tokens = req.all_token_ids
@@ -230,6 +246,10 @@ class Scheduler:
         return Preemption(req, mode, tables)
 
     def _preemption_mode(self, req: Request, tables) -> str:
+        if any(g.window_tokens is not None for g in self.kv.layout.groups):
+            # A swap-in re-slots every computed token at once, which a rolling window never
+            # holds; recompute re-enters chunk by chunk, releasing blocks as it goes.
+            return "recompute"
         if self.config.preemption_mode != "auto":
             mode = self.config.preemption_mode
         else:

@@ -181,7 +181,7 @@ def gguf_to_config(fields: dict[str, Any], source: str) -> dict[str, Any]:
         "max_position_embeddings": get("context_length", 2048),
         "rope_theta": float(get("rope.freq_base", 10000.0)),
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        "vocab_size": get("vocab_size") or _gguf_vocab_size(fields),
+        "vocab_size": get("vocab_size") or fields.get("__vocab_size__"),
         "sliding_window": get("attention.sliding_window"),
         "tie_word_embeddings": "output.weight" not in names,
         "bos_token_id": fields.get("tokenizer.ggml.bos_token_id"),
@@ -193,10 +193,6 @@ def gguf_to_config(fields: dict[str, Any], source: str) -> dict[str, Any]:
         cfg["rope_scaling"] = {"rope_type": scaling_type, "factor": float(get("rope.scaling.factor", 1.0)),
                                "original_max_position_embeddings": get("rope.scaling.original_context_length")}
     return cfg
-
-
-def _gguf_vocab_size(fields: dict[str, Any]) -> int | None:
-    return fields.get("__vocab_size__")
 
 
 def _gguf_checkpoint(path: Path, name: str) -> Checkpoint:

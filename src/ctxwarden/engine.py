@@ -281,8 +281,7 @@ class Engine:
         return self._output(req, (token,), delta, (scored,) if req.params.logprobs is not None else ())
 
     def _refused(self, req: Request) -> StepOutput:
-        req.finished_s = time.monotonic()
-        self._host_pages.pop(req.request_id, None)
+        self._release_engine_state(req)  # the scheduler has already finished it
         return self._output(req, (), "", (), error=(
             f"the request could not be given KV blocks even in an empty pool of {self.num_blocks} "
             "blocks; this is a bug in admission arithmetic, please report it"))
@@ -293,6 +292,10 @@ class Engine:
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         self.scheduler.finish(req, reason)
+        self._release_engine_state(req)
+
+    def _release_engine_state(self, req: Request) -> None:
+        """What the engine itself keeps for a finished request: its host pages, its clock."""
         self._host_pages.pop(req.request_id, None)
         req.finished_s = time.monotonic()
 

@@ -29,15 +29,15 @@ class ModelNotFound(CtxwardenError, FileNotFoundError):
 
 
 class ContextLengthExceeded(CtxwardenError, ValueError):
-    """A request can never fit the model's window (prompt + max_tokens > window)."""
+    """A request can never fit the model's window (prompt + max_tokens > max_model_len)."""
 
-    def __init__(self, window_tokens: int, prompt_tokens: int, max_tokens: int, detail: str = ""):
-        self.window_tokens = window_tokens
+    def __init__(self, max_model_len: int, prompt_tokens: int, max_tokens: int, detail: str = ""):
+        self.max_model_len = max_model_len
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
         total = prompt_tokens + max_tokens
         msg = (
-            f"This model's maximum context length is {window_tokens} tokens. However, you "
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {total} tokens ({prompt_tokens} in the prompt, {max_tokens} for the "
             f"completion). Please reduce the prompt or max_tokens."
         )
@@ -108,10 +108,6 @@ class SequenceExists(CtxwardenError, ValueError):
     """`allocate` was called for a sequence id that already holds blocks."""
 
 
-class KVSlotReleased(CtxwardenError, LookupError):
-    """A token position whose block a sliding window (or no allocation) does not hold."""
-
-
 class WeightsError(CtxwardenError, ValueError):
     """A checkpoint's tensors cannot be loaded: missing, misshapen or of an unsupported type.
 
@@ -156,6 +152,14 @@ class UnknownTokenizer(CtxwardenError, ValueError):
         msg = (f"Unknown tokenizer {name!r}. Available names: {', '.join(available)}; or pass a path "
                "to a Hugging Face directory (tokenizer.json), a tokenizer.json file or a .gguf file.")
         super().__init__(msg + (f" ({hint})" if hint else ""))
+
+
+class TokenizerError(CtxwardenError, ValueError):
+    """A tokenizer file is there but cannot be read (malformed JSON, unknown model type)."""
+
+
+class NoTokenizer(CtxwardenError, FileNotFoundError):
+    """A checkpoint ships no tokenizer (no tokenizer.json; a GGUF without a vocabulary)."""
 
 
 class FragmentError(CtxwardenError, ValueError):

@@ -40,6 +40,7 @@ class Request:
     params: Any  # ctxwarden.sampling.SamplingParams
     namespace: str = ""  # the tenant: salts the prefix cache
     priority: int = 0  # lower runs first; ties go to the earlier arrival
+    reads_prefix_cache: bool = True  # False: compute every prompt token (prompt logprobs)
     arrival_s: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache

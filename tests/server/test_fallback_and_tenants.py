@@ -10,7 +10,7 @@ from ctxwarden.server.tenants import KeyFileError, Tenant, TenantDirectory
 
 
 def test_over_window_prompt_is_served_by_the_fallback(small_window_dir, long_window_dir, serve):
-    with serve(ServerConfig(model=str(small_window_dir), fallback_model=str(long_window_dir),
+    with serve(ServerConfig.build(model=str(small_window_dir), fallback_model=str(long_window_dir),
                             kv_memory="8MiB")) as s:
         primary, fallback = (e.name for e in s.engines)
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
@@ -26,7 +26,7 @@ def test_over_window_prompt_is_served_by_the_fallback(small_window_dir, long_win
 
 
 def test_without_a_fallback_the_small_window_refuses(small_window_dir, serve):
-    with serve(ServerConfig(model=str(small_window_dir), kv_memory="8MiB")) as s:
+    with serve(ServerConfig.build(model=str(small_window_dir), kv_memory="8MiB")) as s:
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model=s.engines[0].name, prompt=[5] * 200, max_tokens=4)

@@ -32,8 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ctxwarden.checkpoint import resolve_checkpoint
-    from ctxwarden.config import parse_bytes
+    from ctxwarden.spec.checkpoint import resolve_checkpoint
+    from ctxwarden.units import parse_bytes
     from ctxwarden.plan import plan_checkpoint
     from ctxwarden.plan.train import FORMULA, plan_training
 

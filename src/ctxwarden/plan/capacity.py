@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ctxwarden.config import ModelSpec
+from ctxwarden.spec.dtypes import dtype_bytes
+from ctxwarden.spec.model_spec import ModelSpec
 from ctxwarden.plan.kv import (
     KVLayout,
     blocks_needed,
@@ -140,8 +141,7 @@ def weights_bytes_estimate(spec: ModelSpec) -> int:
     """
     from ctxwarden.plan.params import count_parameters
 
-    dtype_bytes = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}.get(spec.dtype, 2)
-    return count_parameters(spec) * dtype_bytes
+    return count_parameters(spec) * dtype_bytes(spec.dtype)
 
 
 def kv_bytes_at(spec: ModelSpec, layout: KVLayout, context: int) -> dict[str, int]:

@@ -24,7 +24,7 @@ import logging
 from dataclasses import dataclass
 
 from ctxwarden.errors import ContextLengthExceeded, KVCapacityExceeded, QueueFull
-from ctxwarden.kv import KVCacheManager
+from ctxwarden.kv import AuditReport, BlockTables, KVCacheManager, KVStats
 from ctxwarden.plan.kv import blocks_needed, max_sequence_tokens
 from ctxwarden.request import FinishReason, Request, RequestStatus
 from ctxwarden.scheduler.policy import PreemptionCost, choose_preemption_mode
@@ -41,11 +41,11 @@ class SchedulerConfig:
     max_waiting: int | None = None
     preemption_mode: str = "auto"  # auto | recompute | swap
     swap_space_bytes: int = 4 * 1024**3
-    window_tokens: int = 2048  # the model's context window (prompt + max_tokens limit)
+    max_model_len: int = 2048  # the model's context window: prompt + max_tokens must fit
     is_unbounded_length: bool = False  # sink mode streams past the window
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_batched_tokens", "window_tokens"):
+        for name in ("max_num_seqs", "max_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.preemption_mode not in ("auto", "recompute", "swap"):
@@ -56,29 +56,53 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ScheduledSeq:
-    """One request's share of a step: `num_new_tokens` from `request.num_computed_tokens`."""
+    """One request's share of a step: `num_new_tokens` from `request.num_computed_tokens`.
+
+    `block_tables` are the request's pages after slotting this chunk: what the runner
+    reads and writes for it.
+    """
 
     request: Request
     num_new_tokens: int
     is_sampled: bool
+    block_tables: BlockTables
 
 
 @dataclass(frozen=True)
 class Preemption:
+    """A request pushed out of the pool this step, and the pages it held (swap copies them)."""
+
     request: Request
     mode: str  # "swap" | "recompute"
-    block_tables: tuple[list[int | None], ...]  # what the request held (swap copies these)
+    block_tables: BlockTables
 
 
 @dataclass(frozen=True)
 class SwapIn:
+    """A swapped request back in the pool: where its pages now live."""
+
     request: Request
-    block_tables: tuple[list[int | None], ...]  # where its blocks now live
+    block_tables: BlockTables
     num_hit_blocks: int  # leading logical blocks served by the prefix cache: not rewritten
 
 
 @dataclass(frozen=True)
+class SchedulerStats:
+    """The scheduler's queues, its preemption counts and the KV manager's numbers."""
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_preemptions_swap: int
+    num_preemptions_recompute: int
+    swapped_bytes: int
+    kv: KVStats
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
+    """One step's decisions: the batch, who was preempted, swapped in or refused."""
+
     scheduled: tuple[ScheduledSeq, ...]
     preempted: tuple[Preemption, ...]
     swapped_in: tuple[SwapIn, ...]
@@ -101,15 +125,15 @@ class Scheduler:
         self.swapped_bytes = 0
         self.num_preemptions = {"swap": 0, "recompute": 0}
         self._num_known: dict[str, int] = {}  # tokens the KV manager knows, per request
-        self._swap_tables: dict[str, tuple] = {}  # block tables of swapped-out requests
+        self._swap_tables: dict[str, BlockTables] = {}  # what swapped-out requests held
 
     # --- admission -------------------------------------------------------------------------
 
     def check_admissible(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raise now if the request can never be served; the same arithmetic as the planner."""
         total = num_prompt_tokens + max_tokens
-        if not self.config.is_unbounded_length and total > self.config.window_tokens:
-            raise ContextLengthExceeded(self.config.window_tokens, num_prompt_tokens, max_tokens)
+        if not self.config.is_unbounded_length and total > self.config.max_model_len:
+            raise ContextLengthExceeded(self.config.max_model_len, num_prompt_tokens, max_tokens)
         needed = blocks_needed(total, self.kv.layout, self.config.max_batched_tokens)
         if needed > self.kv.pool.num_blocks:
             longest = max_sequence_tokens(self.kv.pool.num_blocks, self.kv.layout,
@@ -141,7 +165,7 @@ class Scheduler:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if self._slot_running(req, n, preempted):
-                scheduled.append(ScheduledSeq(req, n, req.num_computed_tokens + n == req.num_tokens))
+                scheduled.append(self._scheduled(req, n))
                 budget -= n
                 i += 1
         swapped_in: list[SwapIn] = []
@@ -181,9 +205,13 @@ class Scheduler:
                 self._refuse(req, refused)
                 continue
             if n:
-                scheduled.append(ScheduledSeq(req, n, req.num_computed_tokens + n == req.num_tokens))
+                scheduled.append(self._scheduled(req, n))
                 budget -= n
         return budget
+
+    def _scheduled(self, req: Request, n: int) -> ScheduledSeq:
+        return ScheduledSeq(req, n, req.num_computed_tokens + n == req.num_tokens,
+                            BlockTables.of(self.kv.block_tables(req.request_id)))
 
     def _refuse(self, req: Request, refused: list[Request]) -> None:
         log.error("request %s cannot enter an empty pool of %d blocks; ending it",
@@ -192,12 +220,13 @@ class Scheduler:
         refused.append(req)
 
     def _admit_new(self, req: Request, budget: int) -> int | None:
-        tokens = req.all_token_ids
-        hit = self.kv.find_prefix(tokens, req.namespace)
+        tokens, reads = req.all_token_ids, req.reads_prefix_cache
+        hit = self.kv.find_prefix(tokens, req.namespace, read_cache=reads)
         n = min(len(tokens) - hit.num_computed_tokens, budget)
-        if not self.kv.can_allocate(tokens, req.namespace, max_num_new_tokens=n):
+        if not self.kv.can_allocate(tokens, req.namespace, max_num_new_tokens=n, read_cache=reads):
             return None
-        alloc = self.kv.allocate(req.request_id, tokens, req.namespace, max_num_new_tokens=n)
+        alloc = self.kv.allocate(req.request_id, tokens, req.namespace, max_num_new_tokens=n,
+                                 read_cache=reads)
         self._num_known[req.request_id] = len(tokens)
         if req.num_preemptions == 0:
             req.num_cached_tokens = alloc.num_computed_tokens
@@ -206,15 +235,15 @@ class Scheduler:
         return alloc.num_new_tokens
 
     def _swap_in(self, req: Request, swapped_in: list[SwapIn]) -> bool:
-        tokens = req.all_token_ids[:req.num_computed_tokens]
-        if not self.kv.can_allocate(tokens, req.namespace):
+        tokens, reads = req.all_token_ids[:req.num_computed_tokens], req.reads_prefix_cache
+        if not self.kv.can_allocate(tokens, req.namespace, read_cache=reads):
             return False
-        alloc = self.kv.allocate(req.request_id, tokens, req.namespace)
+        alloc = self.kv.allocate(req.request_id, tokens, req.namespace, read_cache=reads)
         self._num_known[req.request_id] = len(tokens)
         self.swapped_bytes -= self._bytes_of(self._swap_tables.pop(req.request_id))
         self._move_to_running(req)
         hit_blocks = alloc.num_computed_tokens // self.kv.block_size
-        swapped_in.append(SwapIn(req, self.kv.block_tables(req.request_id), hit_blocks))
+        swapped_in.append(SwapIn(req, BlockTables.of(self.kv.block_tables(req.request_id)), hit_blocks))
         return True
 
     def _move_to_running(self, req: Request) -> None:
@@ -225,7 +254,7 @@ class Scheduler:
     # --- preemption and release -----------------------------------------------------------
 
     def _preempt(self, req: Request) -> Preemption:
-        tables = self.kv.block_tables(req.request_id)
+        tables = BlockTables.of(self.kv.block_tables(req.request_id))
         mode = self._preemption_mode(req, tables)
         self.kv.free(req.request_id, req.num_computed_tokens)
         del self._num_known[req.request_id]
@@ -242,10 +271,10 @@ class Scheduler:
         bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
         log.info("preempted %s by %s: %d computed tokens, %d blocks freed (preemption #%d of it)",
                  req.request_id, mode, req.num_computed_tokens if mode == "swap" else 0,
-                 sum(b is not None for t in tables for b in t), req.num_preemptions)
+                 tables.num_held_blocks, req.num_preemptions)
         return Preemption(req, mode, tables)
 
-    def _preemption_mode(self, req: Request, tables) -> str:
+    def _preemption_mode(self, req: Request, tables: BlockTables) -> str:
         if any(g.window_tokens is not None for g in self.kv.layout.groups):
             # A swap-in re-slots every computed token at once, which a rolling window never
             # holds; recompute re-enters chunk by chunk, releasing blocks as it goes.
@@ -258,8 +287,8 @@ class Scheduler:
             mode = "recompute"  # no host room left: recompute never needs any
         return mode
 
-    def _bytes_of(self, tables) -> int:
-        return sum(1 for t in tables for b in t if b is not None) * self.kv.layout.page_bytes
+    def _bytes_of(self, tables: BlockTables) -> int:
+        return tables.num_held_blocks * self.kv.layout.page_bytes
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         """End a request and release everything it holds, now (finish, stop, abort, error)."""
@@ -280,3 +309,19 @@ class Scheduler:
     def after_step(self, done: ScheduledSeq) -> None:
         """Record that a scheduled chunk's KV is now computed."""
         done.request.num_computed_tokens += done.num_new_tokens
+
+    # --- what the engine reads --------------------------------------------------------------
+
+    def stats(self) -> SchedulerStats:
+        """Queues, preemptions and the KV manager's numbers (its audit not run: O(blocks))."""
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=sum(r.status is RequestStatus.WAITING for r in self.waiting),
+            num_swapped=sum(r.status is RequestStatus.SWAPPED for r in self.waiting),
+            num_preemptions_swap=self.num_preemptions["swap"],
+            num_preemptions_recompute=self.num_preemptions["recompute"],
+            swapped_bytes=self.swapped_bytes, kv=self.kv.stats(run_audit_check=False))
+
+    def audit(self) -> AuditReport:
+        """Recount the pool with the running requests as the only live owners."""
+        return self.kv.audit(live_seq_ids=[r.request_id for r in self.running])

@@ -16,12 +16,13 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import anyio
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ctxwarden.engine.config import SERVER_MAX_WAITING, EngineConfig
 from ctxwarden.errors import ContextLengthExceeded
 from ctxwarden.server import errors, responses
 from ctxwarden.server.async_engine import AsyncEngine
@@ -39,18 +40,20 @@ request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id
 _ERRORS = {s: {"model": ErrorResponse} for s in (400, 401, 404, 413, 429, 500, 503)}
 
 
+_SERVER_FIELDS = ("fallback_model", "served_model_name", "api_keys", "max_body_bytes", "drain_timeout_s")
+
+
+def _server_engine_config() -> EngineConfig:
+    return EngineConfig(max_waiting=SERVER_MAX_WAITING)
+
+
 @dataclass(frozen=True)
 class ServerConfig:
-    """How to serve: the model(s), engine sizes, keys and limits."""
+    """How to serve: the engine (one EngineConfig, shared by the fallback), keys and limits."""
 
-    model: str | None = None
-    fallback_model: str | None = None
+    engine: EngineConfig = field(default_factory=_server_engine_config)
+    fallback_model: str | None = None  # same engine options, another model
     served_model_name: str | None = None
-    kv_memory: str = "1GiB"
-    max_num_seqs: int = 64
-    max_waiting: int | None = 256
-    max_batched_tokens: int = 2048
-    dtype: str = "float32"
     api_keys: str | None = None  # path of the key file
     max_body_bytes: int = 4 * 1024 * 1024
     drain_timeout_s: float = 60.0
@@ -60,6 +63,21 @@ class ServerConfig:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+
+    @classmethod
+    def build(cls, **options) -> "ServerConfig":
+        """Server fields by name; every other option is an EngineConfig field (as LLM takes).
+
+        The queue is bounded at SERVER_MAX_WAITING unless `max_waiting` is given.
+        """
+        server = {k: options.pop(k) for k in _SERVER_FIELDS if k in options}
+        options.setdefault("max_waiting", SERVER_MAX_WAITING)
+        return cls(engine=EngineConfig.build(**options), **server)
+
+    def engine_configs(self) -> list[EngineConfig]:
+        """The primary model's engine config, then the fallback's (same options)."""
+        fallback = [replace(self.engine, model=self.fallback_model)] if self.fallback_model else []
+        return [self.engine] + fallback
 
 
 @dataclass
@@ -104,16 +122,11 @@ class ServerState:
 
 def build_engines(config: ServerConfig) -> list[AsyncEngine]:
     """Load the primary (and fallback) model and start their engine threads."""
-    from ctxwarden.engine import Engine
-    from ctxwarden.engine_config import EngineConfig
+    from ctxwarden.engine.engine import Engine
 
-    kv_dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[config.dtype]
     out = []
-    for k, path in enumerate([config.model] + ([config.fallback_model] if config.fallback_model else [])):
-        engine = Engine(EngineConfig.build(kv_memory=config.kv_memory, model=path, dtype=config.dtype,
-                                           kv_dtype=kv_dtype, max_num_seqs=config.max_num_seqs,
-                                           max_waiting=config.max_waiting,
-                                           max_batched_tokens=config.max_batched_tokens))
+    for k, engine_config in enumerate(config.engine_configs()):
+        engine = Engine(engine_config)
         name = config.served_model_name if (k == 0 and config.served_model_name) else engine.checkpoint.name
         out.append(AsyncEngine(engine, name))
     for e in out:
@@ -129,7 +142,7 @@ async def _load(state: ServerState, config: ServerConfig) -> None:
         state.load_error, state.phase = f"{type(e).__name__}: {e}", "failed"
         return
     state.phase = "ready" if state.phase == "loading" else state.phase
-    log.info("serving %s", ", ".join(f"{e.name} (window {e.window_tokens})" for e in state.engines))
+    log.info("serving %s", ", ".join(f"{e.name} (window {e.max_model_len})" for e in state.engines))
 
 
 def create_app(config: ServerConfig, engines: list[AsyncEngine] | None = None) -> FastAPI:
@@ -176,7 +189,7 @@ def _add_info_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics, t
     async def models(tenant: Tenant = Depends(tenant_of)) -> ModelList:
         """The served models (the primary first) and their context windows."""
         state.check_ready()
-        return ModelList(data=[ModelCard(id=e.name, context_window=e.window_tokens) for e in state.engines])
+        return ModelList(data=[ModelCard(id=e.name, context_window=e.max_model_len) for e in state.engines])
 
     @app.get("/metrics", response_class=Response)
     async def prometheus() -> Response:
@@ -235,7 +248,7 @@ async def _start(state: ServerState, job: Job, model: str, tenant: Tenant, api_i
         except ContextLengthExceeded as e:
             if k == len(candidates) - 1:
                 raise errors.from_engine_error(e, job.prompt_param) from e
-            log.info("prompt over %s's window (%d tokens); trying %s", engine.name, e.window_tokens,
+            log.info("prompt over %s's window (%d tokens); trying %s", engine.name, e.max_model_len,
                      candidates[k + 1].name)
         except Exception as e:  # noqa: BLE001 - every refusal becomes its API error
             raise errors.from_engine_error(e, job.prompt_param) from e
@@ -285,7 +298,7 @@ class _Call:
 
     def headers(self) -> dict[str, str]:
         """Context headers: the window, the tokens the prompt uses, and what is left."""
-        window, used = self.gen.engine.window_tokens, self.gen.max_prompt_tokens
+        window, used = self.gen.engine.max_model_len, self.gen.max_prompt_tokens
         return {"x-request-id": request_id_var.get(), "x-context-window": str(window),
                 "x-context-used": str(used), "x-context-remaining": str(max(0, window - used)),
                 "x-ctxwarden-served-by": self.gen.engine.name}

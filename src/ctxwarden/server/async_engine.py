@@ -75,8 +75,8 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name=f"engine-{name}", daemon=True)
 
     @property
-    def window_tokens(self) -> int:
-        return self.engine.window_tokens
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
 
     @property
     def tokenizer(self):

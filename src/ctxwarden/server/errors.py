@@ -48,7 +48,7 @@ def from_engine_error(e: Exception, prompt_param: str) -> APIError:
     """Map an error raised by `Engine.add_request` or `SamplingParams` to its API error."""
     if isinstance(e, ContextLengthExceeded):
         return APIError(400, str(e), param=prompt_param, code="context_length_exceeded",
-                        headers={"x-context-window": str(e.window_tokens)})
+                        headers={"x-context-window": str(e.max_model_len)})
     if isinstance(e, KVCapacityExceeded):
         return APIError(400, str(e), param=prompt_param, code="kv_capacity_exceeded")
     if isinstance(e, QueueFull):

@@ -47,7 +47,7 @@ class Job:
         """SamplingParams of one choice; a chat without max_tokens may use the rest of the window."""
         max_tokens = self.max_tokens
         if max_tokens is None:
-            max_tokens = max(1, engine.window_tokens - len(prompt)) if self.is_chat else 16
+            max_tokens = max(1, engine.max_model_len - len(prompt)) if self.is_chat else 16
         seed = None if self.seed is None else self.seed + choice  # choices differ, reproducibly
         return SamplingParams(max_tokens=max_tokens, seed=seed, **self.sampling)
 

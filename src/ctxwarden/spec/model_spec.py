@@ -18,12 +18,12 @@ own rule when the config does not list them: the same rules transformers applies
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 from ctxwarden.errors import ConfigError
+from ctxwarden.spec.dtypes import canonical_dtype
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
@@ -101,7 +101,7 @@ class ModelSpec:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     query_pre_attn_scalar: float | None = None
-    dtype: str = "float32"
+    dtype: str = "float32"  # the stored weights' dtype, as config.json spells it
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     moe: Mapping[str, Any] = field(default_factory=dict, compare=False)
@@ -114,6 +114,10 @@ class ModelSpec:
                 "layer_types",
                 f"has {len(self.layer_types)} entries but num_hidden_layers is {self.num_layers}",
             )
+        try:
+            canonical_dtype(self.dtype)
+        except ValueError as e:
+            raise ConfigError(self.source, "torch_dtype", str(e)) from None
         if SLIDING in self.layer_types and not self.sliding_window:
             raise ConfigError(
                 self.source, "sliding_window", "sliding layers are declared but no window is set"
@@ -369,23 +373,3 @@ def _int_tuple(value) -> tuple[int, ...]:
     if isinstance(value, list):
         return tuple(v for v in value if isinstance(v, int))
     return (value,) if isinstance(value, int) else ()
-
-
-def parse_bytes(text: str | int) -> int:
-    """'24GiB', '512MB', '2G', 1024 -> bytes. Binary (KiB, MiB, GiB) and decimal (KB, MB, GB)."""
-    if isinstance(text, int):
-        if text < 0:
-            raise ValueError(f"byte count must not be negative, got {text}")
-        return text
-    units = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb": 1000**2,
-             "mib": 1024**2, "g": 1024**3, "gb": 1000**3, "gib": 1024**3, "t": 1024**4,
-             "tb": 1000**4, "tib": 1024**4}
-    s = str(text).strip().lower().replace(" ", "").replace("_", "")
-    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(num):]
-    if unit not in units or not num:
-        raise ValueError(f"cannot read {text!r} as a byte size; use e.g. 2GiB, 512MiB, 24GB or 1073741824")
-    value = float(num)
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"byte size must be a finite non-negative number, got {text!r}")
-    return int(value * units[unit])

@@ -3,6 +3,8 @@
 The engine's whole contract with KV memory:
 
     can_allocate(prompt) / allocate(seq, prompt)  -> KVAllocation (tokens hit in the cache)
+    commit_fetched(seq)                           -> blocks filled from a tier join the cache
+    drain_evicted()                               -> blocks evicted since the last call (spills)
     can_append(seq, n)   / append(seq, tokens)    -> slots for new tokens (windows roll)
     block_tables(seq)                             -> what the runner reads and writes
     free(seq)                                     -> released in this call
@@ -17,6 +19,11 @@ last prompt token is always computed (its logits are the first sample).
 Algorithm of allocate: hash the prompt's full blocks -> find the longest hit -> take a
 reference on the hit blocks (before allocating, so the allocation cannot evict them) ->
 allocate blocks for the new tokens -> register every newly full block in the cache.
+
+Blocks fetched from a KV tier (`num_fetched_blocks`) are allocated like new ones and count
+as computed, but join the prefix cache only at `commit_fetched`, which the scheduler calls
+once the engine has written their verified bytes into the pool: nothing can hit a page
+before its bytes are in place.
 """
 
 from __future__ import annotations
@@ -47,6 +54,21 @@ class KVAllocation:
     num_new_tokens: int  # tokens given slots now (to compute this step)
     num_new_blocks: int  # blocks taken from the pool, over every group
     num_hit_blocks: int  # cached blocks shared, over every group
+    num_fetched_blocks: int = 0  # logical blocks to be filled from a tier (computed, not cached yet)
+
+
+@dataclass(frozen=True)
+class EvictedBlock:
+    """A cached block the pool evicted: its page (still holding the bytes until the next
+    forward writes it) and what identifies its content, for a spill to a tier."""
+
+    page_id: int
+    group_index: int
+    block_index: int
+    block_hash: BlockHash
+    parent_hash: BlockHash
+    root: BlockHash
+    token_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -67,6 +89,7 @@ class _Draft:
     root: BlockHash
     hit_tables: list[list[int | None]]
     num_hit_blocks: int  # logical blocks (per group)
+    num_fetched_blocks: int
     num_new_tokens: int
     num_new_blocks: int
     num_revived: int
@@ -74,7 +97,7 @@ class _Draft:
 
 class _Sequence:
     __slots__ = ("seq_id", "namespace", "root", "token_ids", "num_tokens", "tables", "chain",
-                 "num_registered_blocks", "touched_ns")
+                 "num_registered_blocks", "touched_ns", "fetched")
 
     def __init__(self, seq_id, namespace, root, token_ids, tables, chain, now_ns):
         self.seq_id, self.namespace, self.root = seq_id, namespace, root
@@ -84,6 +107,7 @@ class _Sequence:
         self.chain: list[BlockHash] = chain  # hash of full block j (when caching is on)
         self.num_registered_blocks = 0
         self.touched_ns = now_ns
+        self.fetched: range = range(0)  # logical blocks filled from a tier, not yet cached
 
 
 class KVCacheManager:
@@ -91,7 +115,7 @@ class KVCacheManager:
 
     def __init__(self, layout: KVLayout, num_blocks: int, enable_prefix_caching: bool = True,
                  clock_ns: Callable[[], int] = time.monotonic_ns,
-                 risk_thresholds: RiskThresholds = RiskThresholds()):
+                 risk_thresholds: RiskThresholds = RiskThresholds(), record_evictions: bool = False):
         self.layout = layout
         self.block_size = layout.block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -106,6 +130,11 @@ class KVCacheManager:
         self.num_prefix_query_tokens = 0
         self.num_prefix_hit_tokens = 0
         self.num_cross_namespace_hits = 0
+        # What a cached block holds (root, index, parent, tokens), kept only to spill it on
+        # eviction (a RAM tier is configured): the pool itself knows ids and keys only.
+        self._block_meta: dict[int, tuple] | None = {} if record_evictions else None
+        if record_evictions:
+            self.pool.eviction_log = []
 
     # --- allocate ---------------------------------------------------------------------
 
@@ -118,25 +147,31 @@ class KVCacheManager:
 
     def can_allocate(self, token_ids: Sequence[int], namespace: str = "",
                      extra_keys: Sequence[str | bytes | int] = (),
-                     max_num_new_tokens: int | None = None, read_cache: bool = True) -> bool:
+                     max_num_new_tokens: int | None = None, read_cache: bool = True,
+                     num_fetched_blocks: int = 0) -> bool:
         """Whether `allocate` with the same arguments would succeed now."""
-        draft = self._draft(token_ids, namespace, extra_keys, max_num_new_tokens, read_cache)
+        draft = self._draft(token_ids, namespace, extra_keys, max_num_new_tokens, read_cache,
+                            num_fetched_blocks)
         return draft.num_new_blocks + draft.num_revived <= self.pool.num_available_blocks
 
     def allocate(self, seq_id: Hashable, token_ids: Sequence[int], namespace: str = "",
                  extra_keys: Sequence[str | bytes | int] = (),
-                 max_num_new_tokens: int | None = None, read_cache: bool = True) -> KVAllocation:
+                 max_num_new_tokens: int | None = None, read_cache: bool = True,
+                 num_fetched_blocks: int = 0) -> KVAllocation:
         """Register a sequence with its prompt; share its cached prefix; slot the rest.
 
         Slots go to the hit tokens plus at most `max_num_new_tokens` more (default: the
         whole prompt); chunked prefill slots the remaining prompt tokens with `append`.
         `read_cache=False` takes no hit (every token is computed, e.g. to score the whole
         prompt) while the sequence's full blocks are still registered for others to hit.
+        `num_fetched_blocks` blocks after the hit are given pages and count as computed: a
+        tier fills them, then `commit_fetched` caches them.
         Raises SequenceExists, or KVPoolExhausted (changing nothing) when it does not fit.
         """
         if seq_id in self._seqs:
             raise SequenceExists(f"sequence {seq_id!r} already holds KV blocks; free it first")
-        draft = self._draft(token_ids, namespace, extra_keys, max_num_new_tokens, read_cache)
+        draft = self._draft(token_ids, namespace, extra_keys, max_num_new_tokens, read_cache,
+                            num_fetched_blocks)
         needed = draft.num_new_blocks + draft.num_revived
         if needed > self.pool.num_available_blocks:
             raise KVPoolExhausted(needed, self.pool.num_available_blocks, self.pool.num_blocks)
@@ -147,9 +182,19 @@ class KVCacheManager:
         seq = self._new_sequence(seq_id, namespace, draft, token_ids)
         seq.num_tokens = draft.num_hit_blocks * self.block_size
         seq.num_registered_blocks = draft.num_hit_blocks
-        num_new_blocks = self._grow(seq, seq.num_tokens + draft.num_new_tokens)
-        return KVAllocation(seq_id, draft.num_hit_blocks * self.block_size,
-                            draft.num_new_tokens, num_new_blocks, len(hit_ids))
+        num_computed_blocks = draft.num_hit_blocks + draft.num_fetched_blocks
+        seq.fetched = range(draft.num_hit_blocks, num_computed_blocks)
+        num_new_blocks = self._grow(seq, num_computed_blocks * self.block_size + draft.num_new_tokens)
+        return KVAllocation(seq_id, num_computed_blocks * self.block_size, draft.num_new_tokens,
+                            num_new_blocks, len(hit_ids), draft.num_fetched_blocks)
+
+    def commit_fetched(self, seq_id: Hashable) -> int:
+        """Cache the blocks a tier filled (their bytes are now in the pool); how many."""
+        seq = self._live(seq_id)
+        fetched, seq.fetched = seq.fetched, range(0)
+        for j in fetched:
+            self._register(seq, j)
+        return len(fetched)
 
     def _new_sequence(self, seq_id, namespace, draft: _Draft, token_ids) -> _Sequence:
         tables = [BlockTable(self.block_size, g.window_tokens, self.layout.sink_tokens, ids)
@@ -168,7 +213,8 @@ class KVCacheManager:
 
     # --- the prefix lookup --------------------------------------------------------------
 
-    def _draft(self, token_ids, namespace, extra_keys, max_num_new_tokens, read_cache=True) -> _Draft:
+    def _draft(self, token_ids, namespace, extra_keys, max_num_new_tokens, read_cache=True,
+               num_fetched_blocks: int = 0) -> _Draft:
         """What `allocate` would do (hash chain, hits, blocks to take), changing nothing."""
         if len(token_ids) < 1:
             raise ValueError("a sequence needs at least 1 prompt token, got 0")
@@ -184,13 +230,26 @@ class KVCacheManager:
             if read_cache:
                 hit_tables = self._longest_hit(chain[:(len(token_ids) - 1) // bs], namespace)
         num_hit = len(hit_tables[0])
-        num_new = len(token_ids) - num_hit * bs
+        self._check_fetch(num_hit, num_fetched_blocks, len(token_ids))
+        num_computed = (num_hit + num_fetched_blocks) * bs
+        num_new = len(token_ids) - num_computed
         if max_num_new_tokens is not None:
             num_new = min(num_new, max_num_new_tokens)
-        num_new_blocks = num_groups * (-(-(num_hit * bs + num_new) // bs) - num_hit)
+        num_new_blocks = num_groups * (-(-(num_computed + num_new) // bs) - num_hit)
         revived = sum(1 for t in hit_tables for b in t
                       if b is not None and self.pool.ref_count(b) == 0)
-        return _Draft(chain, root, hit_tables, num_hit, num_new, num_new_blocks, revived)
+        return _Draft(chain, root, hit_tables, num_hit, num_fetched_blocks, num_new, num_new_blocks, revived)
+
+    def _check_fetch(self, num_hit: int, num_fetched: int, num_tokens: int) -> None:
+        if not num_fetched:
+            return
+        if any(g.window_tokens is not None for g in self.layout.groups):
+            raise ValueError("blocks fetched from a tier need full-attention layers only; this "
+                             "layout has sliding groups")
+        most = (num_tokens - 1) // self.block_size - num_hit  # the last token is always computed
+        if not 0 < num_fetched <= most:
+            raise ValueError(f"num_fetched_blocks must be in [0, {most}] (full prompt blocks after "
+                             f"the {num_hit}-block hit, the last token excluded), got {num_fetched}")
 
     def _longest_hit(self, chain: list[BlockHash], namespace: str) -> list[list[int | None]]:
         """Per-group hit tables for the largest k every group can serve.
@@ -301,11 +360,20 @@ class KVCacheManager:
             return
         extend_chain(seq.chain, seq.root, seq.token_ids, self.block_size, num_full)
         for j in range(seq.num_registered_blocks, num_full):
-            for g, table in enumerate(seq.tables):
-                b = table.block_ids[j]
-                if b is not None and self.pool.cache_block(b, (g, seq.chain[j])):
-                    self._block_namespace[b] = seq.namespace
+            if j not in seq.fetched:  # a tier's blocks wait for commit_fetched
+                self._register(seq, j)
         seq.num_registered_blocks = num_full
+
+    def _register(self, seq: _Sequence, j: int) -> None:
+        """Give logical block j's pages their cache keys (and remember what they hold)."""
+        for g, table in enumerate(seq.tables):
+            b = table.block_ids[j]
+            if b is not None and self.pool.cache_block(b, (g, seq.chain[j])):
+                self._block_namespace[b] = seq.namespace
+                if self._block_meta is not None:
+                    bs = self.block_size
+                    parent = seq.chain[j - 1] if j else seq.root
+                    self._block_meta[b] = (seq.root, j, parent, tuple(seq.token_ids[j * bs:(j + 1) * bs]))
 
     # --- free -----------------------------------------------------------------------------
 
@@ -351,6 +419,32 @@ class KVCacheManager:
             raise freed_error(f"sequence {seq_id!r} was already freed; cannot {verb} it again "
                               f"(allocate it anew to recompute)")
         raise UnknownSequence(f"sequence {seq_id!r} was never allocated; call allocate first")
+
+    # --- tiers: chain hashes and evictions -------------------------------------------------
+
+    def root(self, namespace: str = "", extra_keys: Sequence[str | bytes | int] = ()) -> BlockHash:
+        """The chain's root for a namespace (the parent of block 0)."""
+        return root_hash(namespace, tuple(extra_keys))
+
+    def block_hashes(self, token_ids: Sequence[int], namespace: str = "",
+                     extra_keys: Sequence[str | bytes | int] = ()) -> list[BlockHash]:
+        """The cache keys (chain hashes) of every full block of `token_ids`."""
+        chain: list[BlockHash] = []
+        extend_chain(chain, self.root(namespace, extra_keys), token_ids, self.block_size,
+                     len(token_ids) // self.block_size)
+        return chain
+
+    def drain_evicted(self) -> list[EvictedBlock]:
+        """Blocks evicted since the last call, oldest first (empty unless recording)."""
+        log = self.pool.eviction_log
+        if not log:
+            return []
+        out = []
+        for page_id, (g, block_hash) in log:
+            root, j, parent, tokens = self._block_meta.pop(page_id)
+            out.append(EvictedBlock(page_id, g, j, block_hash, parent, root, tokens))
+        log.clear()
+        return out
 
     # --- what the runner reads -----------------------------------------------------------
 

@@ -27,7 +27,7 @@ DIGEST_BYTES = 32
 _DOMAIN = b"ctxwarden/kv/prefix/v1"
 
 
-def _token_bytes(token_ids: Sequence[int]) -> bytes:
+def token_bytes(token_ids: Sequence[int]) -> bytes:
     """Little-endian int64s: the same bytes on every machine (a shared tier compares them)."""
     packed = array("q", token_ids)
     if sys.byteorder == "big":
@@ -60,7 +60,7 @@ def root_hash(namespace: str, extra_keys: Sequence[str | bytes | int] = ()) -> B
 
 def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
     """The hash of one full block given its parent's hash (or the root for block 0)."""
-    payload = parent + _token_bytes(token_ids)
+    payload = parent + token_bytes(token_ids)
     return hashlib.blake2b(payload, digest_size=DIGEST_BYTES).digest()
 
 
@@ -77,7 +77,7 @@ def extend_chain(chain: list[BlockHash], root: BlockHash, token_ids: Sequence[in
     parent = chain[-1] if chain else root
     # Pack every new block's tokens in one C call, then hash slices of it: per block this
     # leaves one concatenation and one BLAKE2b call in the Python loop.
-    data = memoryview(_token_bytes(token_ids[start * block_size:num_full_blocks * block_size]))
+    data = memoryview(token_bytes(token_ids[start * block_size:num_full_blocks * block_size]))
     stride = 8 * block_size
     blake2b = hashlib.blake2b
     for off in range(0, len(data), stride):

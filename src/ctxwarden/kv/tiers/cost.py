@@ -1,0 +1,94 @@
+"""Fetch or recompute: a cost model over measured rates (no torch).
+
+    recompute_s(tokens)     = tokens / prefill tokens per second
+    fetch_s(tier, blocks)   = round trips x latency + bytes x seconds per byte
+                              (seconds per byte covers the transfer *and* the checksums,
+                               since it is measured over whole fetches, verify included)
+
+The prefill rate is calibrated at start-up (the engine times one real prefill) and then
+follows real prefill steps; each tier's latency follows its lookups and its seconds per
+byte its fetches, all as exponential moving averages. Before any fetch a tier starts from
+a conservative prior (below), so the first decision errs towards recompute on slow tiers.
+A fetch gets a deadline at the break-even point: past it recompute would have won, so
+what has not arrived by then is abandoned and recomputed.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+# Priors until a tier is measured: (latency s, bytes per s incl. checksums).
+_PRIORS = {"ram": (2e-5, 3e9), "disk": (2e-4, 8e8), "redis": (5e-4, 5e8)}
+_ALPHA = 0.3  # weight of a new observation
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The cost model's answer for one run of blocks in one tier."""
+
+    tier: str
+    action: str  # "fetch" | "skipped"
+    fetch_s: float
+    recompute_s: float
+
+    @property
+    def is_fetch(self) -> bool:
+        return self.action == "fetch"
+
+
+class CostModel:
+    """Measured prefill rate and per-tier fetch costs; decides fetch or recompute."""
+
+    def __init__(self, prefill_tokens_per_s: float = 2000.0):
+        if prefill_tokens_per_s <= 0:
+            raise ValueError(f"prefill_tokens_per_s must be > 0, got {prefill_tokens_per_s}")
+        self.prefill_tokens_per_s = prefill_tokens_per_s
+        self._latency_s = {t: p[0] for t, p in _PRIORS.items()}
+        self._s_per_byte = {t: 1.0 / p[1] for t, p in _PRIORS.items()}
+        self._lock = threading.Lock()
+
+    def recompute_s(self, num_tokens: int) -> float:
+        """Seconds to prefill `num_tokens` at the measured rate."""
+        return num_tokens / self.prefill_tokens_per_s
+
+    def fetch_s(self, tier: str, num_bytes: int, num_round_trips: int = 1) -> float:
+        """Seconds to fetch and verify `num_bytes` from `tier`."""
+        return num_round_trips * self._latency_s[tier] + num_bytes * self._s_per_byte[tier]
+
+    def decide(self, tier: str, num_tokens: int, num_bytes: int, num_round_trips: int) -> Decision:
+        """Fetch when it beats recomputing the same tokens, else skip the tier."""
+        fetch, recompute = self.fetch_s(tier, num_bytes, num_round_trips), self.recompute_s(num_tokens)
+        return Decision(tier, "fetch" if fetch < recompute else "skipped", fetch, recompute)
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        """A prefill of `num_tokens` took `seconds` (calibration or a real step)."""
+        if num_tokens > 0 and seconds > 0:
+            with self._lock:
+                self.prefill_tokens_per_s += _ALPHA * (num_tokens / seconds - self.prefill_tokens_per_s)
+
+    def calibrate_prefill(self, num_tokens: int, seconds: float) -> None:
+        """Set the prefill rate from a start-up measurement (replaces the prior)."""
+        if num_tokens > 0 and seconds > 0:
+            self.prefill_tokens_per_s = num_tokens / seconds
+
+    def observe_latency(self, tier: str, seconds: float) -> None:
+        """One round trip to `tier` (a lookup) took `seconds`."""
+        with self._lock:
+            self._latency_s[tier] += _ALPHA * (seconds - self._latency_s[tier])
+
+    def observe_fetch(self, tier: str, num_bytes: int, seconds: float, num_round_trips: int) -> None:
+        """A fetch of `num_bytes` (verify included) took `seconds`."""
+        if num_bytes <= 0:
+            return
+        with self._lock:
+            per_byte = max(0.0, seconds - num_round_trips * self._latency_s[tier]) / num_bytes
+            self._s_per_byte[tier] += _ALPHA * (per_byte - self._s_per_byte[tier])
+
+    def bytes_per_s(self, tier: str) -> float:
+        """The tier's measured fetch bandwidth (verify included)."""
+        return 1.0 / self._s_per_byte[tier] if self._s_per_byte[tier] > 0 else float("inf")
+
+    def latency_s(self, tier: str) -> float:
+        """The tier's measured round-trip latency."""
+        return self._latency_s[tier]

@@ -29,7 +29,10 @@ _FLAGS = {
     "swap_space_bytes": ("--swap-space", "host memory for swapped-out KV, e.g. 4GiB"),
     "window_tokens": ("--window-tokens", "sink (streaming) mode: the rolling attention window"),
     "sink_tokens": ("--sink-tokens", "sink mode: tokens kept at the start (needs --window-tokens)"),
+    "kv_tiers": ("--kv-tiers", "KV tiers beyond the pool, e.g. ram:4GiB,disk:/path:20GiB,redis://127.0.0.1:6379 "
+                 "(off unless named; see docs/kv-tiers.md)"),
 }
+_TEXT_FIELDS = {"model": "MODEL", "kv_tiers": "TIERS"}  # free text, not a number
 _CHOICES = {"dtype": ACTIVATION_DTYPES + ("float32", "bfloat16", "float16"),
             "kv_dtype": RUNNER_KV_DTYPES + ("float32", "bfloat16", "float16"),
             "preemption_mode": PREEMPTION_MODES}
@@ -51,10 +54,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, **default_overrides) -> Non
             kwargs.update(action=argparse.BooleanOptionalAction)  # it states its default
         elif f.name in _CHOICES:
             kwargs["choices"] = _CHOICES[f.name]
-        elif f.name != "model":
+        elif f.name not in _TEXT_FIELDS:
             kwargs.update(type=int, metavar="N")
         else:
-            kwargs["metavar"] = "MODEL"
+            kwargs["metavar"] = _TEXT_FIELDS[f.name]
         if kwargs["default"] is not None and not isinstance(default, bool):
             help_text += f" (default: {kwargs['default']})"
         group.add_argument(flag, help=help_text, **kwargs)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from ctxwarden.kv.tiers.config import TiersConfig, parse_tiers
 from ctxwarden.spec.dtypes import ACTIVATION_DTYPES, canonical_dtype
 from ctxwarden.units import parse_bytes
 
@@ -40,6 +41,7 @@ class EngineConfig:
     swap_space_bytes: int = 4 * 1024**3
     window_tokens: int | None = None  # sink (streaming) mode: the rolling window
     sink_tokens: int = 0  # sink mode: tokens kept at the start
+    kv_tiers: TiersConfig | str | None = None  # 'ram:4GiB,disk:/path:20GiB,redis://host:6379'
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype, ACTIVATION_DTYPES))
@@ -60,6 +62,17 @@ class EngineConfig:
             raise ValueError("swap_space_bytes and sink_tokens must be >= 0")
         if self.sink_tokens and not self.window_tokens:
             raise ValueError("sink_tokens needs window_tokens (the rolling window after the sinks)")
+        self._check_tiers()
+
+    def _check_tiers(self) -> None:
+        tiers = self.kv_tiers if isinstance(self.kv_tiers, TiersConfig) else parse_tiers(self.kv_tiers)
+        object.__setattr__(self, "kv_tiers", tiers)
+        if tiers.is_enabled and not self.enable_prefix_caching:
+            raise ValueError("kv_tiers extend the prefix cache; they need enable_prefix_caching=True "
+                             "(drop --no-prefix-caching or --kv-tiers)")
+        if tiers.is_enabled and self.is_unbounded_length:
+            raise ValueError("kv_tiers do not support sink / rolling-window mode (window_tokens); "
+                             "drop --kv-tiers or --window-tokens")
 
     @property
     def is_unbounded_length(self) -> bool:

@@ -1,9 +1,10 @@
 """The engine: one `step()` moves every request forward by one scheduled chunk.
 
-    step = schedule (admit, chunk, preempt; KV slots allocated)     scheduler/
-         -> move swapped pages (out to host, back in)               engine/swap.py
+    step = schedule (admit, chunk, preempt, fetch from tiers)      scheduler/
+         -> spill evicted pages, move swapped pages, write fills   engine/tiers.py, swap.py
          -> run the model on the batch (paged KV)                   runner/
          -> logits -> prompt logprobs, tokens, text, stops          engine/outputs.py
+         -> store newly computed blocks to the tiers (async)        engine/tiers.py
          -> emit StepOutputs
 
 The engine talks to the KV pool only through the scheduler, and to logits only through
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from ctxwarden.engine.config import EngineConfig
 from ctxwarden.engine.outputs import OutputProcessor, output_of
 from ctxwarden.engine.swap import HostSwapSpace
+from ctxwarden.engine.tiers import TierMover, calibrate_prefill, open_tiers, tier_namespace
 from ctxwarden.errors import NoTokenizer
 from ctxwarden.kv import AuditReport, KVCacheManager, KVStats
 from ctxwarden.plan import kv_bytes_per_token, plan_memory
@@ -53,6 +55,7 @@ class EngineStats:
     kv: KVStats
     leaked_blocks: int  # from the last idle audit
     audit_findings: tuple = field(default=())
+    tiers: tuple = field(default=())  # kv.tiers.TierStats per configured tier
 
 
 class Engine:
@@ -66,16 +69,20 @@ class Engine:
         self.runner = ModelRunner(self.checkpoint, RunnerConfig(
             num_blocks=self.num_blocks, block_size=config.block_size, kv_dtype=config.kv_dtype,
             dtype=config.dtype, window_tokens=config.window_tokens, sink_tokens=config.sink_tokens))
+        self.tiers, extra_keys = self._open_tiers()
         self.scheduler = Scheduler(
-            KVCacheManager(self.runner.layout, self.num_blocks, config.enable_prefix_caching),
+            KVCacheManager(self.runner.layout, self.num_blocks, config.enable_prefix_caching,
+                           record_evictions=self.tiers is not None and self.tiers.has_ram),
             self._scheduler_config(), PreemptionCost(
                 flops_per_token=2.0 * count_parameters(self.spec),
-                kv_bytes_per_token=kv_bytes_per_token(self.spec, config.kv_dtype)))
+                kv_bytes_per_token=kv_bytes_per_token(self.spec, config.kv_dtype)),
+            tiers=self.tiers, extra_keys=extra_keys)
         self.tokenizer = _load_tokenizer(self.checkpoint)
         eos = set(self.spec.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()))
         self.outputs = OutputProcessor(self.tokenizer, eos, None if config.is_unbounded_length
                                        else self.max_model_len, self._finish)
-        self.swap = HostSwapSpace(self.runner.kv_cache)
+        self.swap = HostSwapSpace(self.runner.kv_cache, self.tiers.ram_store() if self.tiers else None)
+        self.mover = TierMover(self.runner.kv_cache, self.tiers, extra_keys) if self.tiers else None
         self.requests: dict[str, Request] = {}
         self._pending: list[StepOutput] = []
         self._ids = itertools.count()
@@ -97,6 +104,22 @@ class Engine:
             raise ValueError(f"kv_memory {self.config.kv_memory_bytes} B is smaller than one KV "
                              f"block ({plan.page_bytes} B); give the engine more kv_memory")
         return plan.num_blocks
+
+    def _open_tiers(self):
+        """The KV tiers and the chain salt they need (None, () when no tier is configured)."""
+        c = self.config
+        if not c.kv_tiers.is_enabled:
+            return None, ()
+        ns = tier_namespace(self.checkpoint, c.dtype, c.kv_dtype, self.runner.layout, c.block_size)
+        tiers = open_tiers(c.kv_tiers, ns, self.runner.kv_cache, c.kv_dtype)
+        calibrate_prefill(self.runner, tiers, min(256, self.num_blocks * c.block_size,
+                                                  c.max_batched_tokens, self.max_model_len))
+        return tiers, (ns.digest,)
+
+    def close(self) -> None:
+        """Stop the tiers' writer and probe threads (queued stores are dropped)."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     def _scheduler_config(self) -> SchedulerConfig:
         c = self.config
@@ -167,11 +190,16 @@ class Engine:
         """Schedule, run, sample, emit. Returns this step's outputs (and any abort notices)."""
         started = time.perf_counter()
         work = self.scheduler.schedule()
+        if self.mover is not None:
+            self.mover.before_forward(work)  # spill reads come before the swap-in writes
         self.swap.move(work)
+        self.scheduler.commit_fills(work)
         outputs, self._pending = self._pending, []
         outputs += [self._refused(r) for r in work.refused]
         if work.scheduled:
             outputs += self._run(work.scheduled)
+            if self.mover is not None:
+                self.mover.after_forward(work.scheduled)
         self._counters["steps"] += 1
         elapsed = time.perf_counter() - started
         self._last_tokens_per_s = work.num_batched_tokens / elapsed if elapsed > 0 else 0.0
@@ -181,15 +209,20 @@ class Engine:
 
     def _run(self, scheduled: tuple[ScheduledSeq, ...]) -> list[StepOutput]:
         batch = ForwardBatch(tuple(self.outputs.sequence_input(s) for s in scheduled))
+        started = time.perf_counter()
         try:
             logits = self.runner.forward(batch)
         except Exception as e:  # noqa: BLE001 - one bad step must not leak or kill the engine
             log.exception("forward failed; ending the %d requests of this step", len(scheduled))
             return [self._fail(s.request, e) for s in scheduled]
+        num_prompt_tokens = 0
         for s in scheduled:
             self.scheduler.after_step(s)
             if s.request.num_computed_tokens <= s.request.num_prompt_tokens:
-                self._counters["prompt"] += s.num_new_tokens
+                num_prompt_tokens += s.num_new_tokens
+        self._counters["prompt"] += num_prompt_tokens
+        if self.tiers is not None and num_prompt_tokens >= 64:  # a prefill step: keep the rate current
+            self.tiers.cost.observe_prefill(num_prompt_tokens, time.perf_counter() - started)
         return self.outputs.process(scheduled, batch, logits)
 
     def _refused(self, req: Request) -> StepOutput:
@@ -209,6 +242,9 @@ class Engine:
     def _release_engine_state(self, req: Request) -> None:
         """What the engine itself keeps for a finished request: its host pages, its clock."""
         self.swap.drop(req.request_id)
+        if self.mover is not None and req.finish_reason is not FinishReason.LENGTH \
+                and req.finish_reason is not FinishReason.STOP:
+            self.mover.forget(req.request_id)  # aborted or failed: no final store
         req.finished_s = time.monotonic()
 
     # --- stats ------------------------------------------------------------------------------
@@ -223,7 +259,8 @@ class Engine:
             num_steps=self._counters["steps"], num_generated_tokens=self.outputs.num_generated_tokens,
             num_prompt_tokens_computed=self._counters["prompt"],
             last_step_tokens_per_s=self._last_tokens_per_s, kv=sched.kv,
-            leaked_blocks=_leaked_blocks(audit), audit_findings=tuple(audit.findings) if audit else ())
+            leaked_blocks=_leaked_blocks(audit), audit_findings=tuple(audit.findings) if audit else (),
+            tiers=sched.tiers)
 
     def audit(self) -> AuditReport:
         """Recount the KV pool now: every invariant, and blocks owned by no running request."""

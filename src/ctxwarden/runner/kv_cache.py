@@ -13,7 +13,9 @@ Total bytes = num_blocks * layout.page_bytes, exactly the planner's kv_pool_byte
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
+import numpy as np
 import torch
 
 from ctxwarden.plan.kv import KVLayout
@@ -92,6 +94,37 @@ class PagedKVCache:
         flat_v = layer.value.view(-1, *layer.value.shape[2:])
         flat_k.index_copy_(0, slot_mapping, key.to(flat_k.dtype))
         flat_v.index_copy_(0, slot_mapping, value.to(flat_v.dtype))
+
+    @property
+    def page_shape(self) -> tuple[int, ...]:
+        """The shape of one page as bytes are laid out by `read_pages`: [layers, 2 (K, V), block, heads, dim]."""
+        return (len(self.keys), 2) + tuple(self.keys[0].shape[1:])
+
+    def read_pages(self, block_ids: Sequence[int]) -> np.ndarray:
+        """Copy pages out of the pool as bytes: uint8 [len(block_ids), page bytes].
+
+        Row i is page block_ids[i]: for each layer slot its keys then its values (the layout
+        `page_shape` names), so one row is exactly what a KV tier stores for one block.
+        """
+        idx = torch.tensor(list(block_ids), dtype=torch.long)
+        out = torch.empty((len(idx),) + self.page_shape, dtype=self.keys[0].dtype)
+        for j, (k, v) in enumerate(zip(self.keys, self.values)):
+            out[:, j, 0] = k.index_select(0, idx)
+            out[:, j, 1] = v.index_select(0, idx)
+        return out.view(torch.uint8).reshape(len(idx), -1).numpy()
+
+    def write_pages(self, block_ids: Sequence[int], pages: Sequence) -> None:
+        """Write byte pages (as `read_pages` lays them out) into pool pages `block_ids`."""
+        n = len(block_ids)
+        page_bytes = self.nbytes // self.num_blocks
+        buf = np.empty((n, page_bytes), dtype=np.uint8)
+        for i, page in enumerate(pages):
+            buf[i] = np.frombuffer(page, dtype=np.uint8)  # raises if a page has the wrong size
+        data = torch.from_numpy(buf).view(self.keys[0].dtype).view((n,) + self.page_shape)
+        idx = torch.tensor(list(block_ids), dtype=torch.long)
+        for j, (k, v) in enumerate(zip(self.keys, self.values)):
+            k.index_copy_(0, idx, data[:, j, 0])
+            v.index_copy_(0, idx, data[:, j, 1])
 
     def read_page(self, block_id: int) -> PageCopy:
         """Copy page `block_id` out of the pool (the page itself is left as it is)."""

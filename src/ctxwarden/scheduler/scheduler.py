@@ -24,10 +24,11 @@ import logging
 from dataclasses import dataclass
 
 from ctxwarden.errors import ContextLengthExceeded, KVCapacityExceeded, QueueFull
-from ctxwarden.kv import AuditReport, BlockTables, KVCacheManager, KVStats
+from ctxwarden.kv import AuditReport, BlockTables, EvictedBlock, KVCacheManager, KVStats
 from ctxwarden.plan.kv import blocks_needed, max_sequence_tokens
 from ctxwarden.request import FinishReason, Request, RequestStatus
 from ctxwarden.scheduler.policy import PreemptionCost, choose_preemption_mode
+from ctxwarden.scheduler.tiering import TierFill, fetch_prefix
 
 log = logging.getLogger("ctxwarden.scheduler")
 
@@ -97,6 +98,7 @@ class SchedulerStats:
     num_preemptions_recompute: int
     swapped_bytes: int
     kv: KVStats
+    tiers: tuple = ()  # kv.tiers.TierStats per configured tier
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,8 @@ class SchedulerOutput:
     preempted: tuple[Preemption, ...]
     swapped_in: tuple[SwapIn, ...]
     refused: tuple[Request, ...] = ()  # could not enter an empty pool: finished with ERROR
+    filled: tuple[TierFill, ...] = ()  # tier pages to write before the forward, then cache
+    spilled: tuple[EvictedBlock, ...] = ()  # pages evicted this step: read before any write
 
     @property
     def num_batched_tokens(self) -> int:
@@ -116,10 +120,14 @@ class SchedulerOutput:
 class Scheduler:
     """Owns the waiting and running queues and every call into the KV manager."""
 
-    def __init__(self, kv: KVCacheManager, config: SchedulerConfig, cost: PreemptionCost):
+    def __init__(self, kv: KVCacheManager, config: SchedulerConfig, cost: PreemptionCost,
+                 tiers=None, extra_keys: tuple[bytes, ...] = ()):
         self.kv = kv
         self.config = config
         self.cost = cost
+        self.tiers = tiers  # kv.tiers.KVTiers, or None: prefixes live in the pool only
+        self.extra_keys = extra_keys  # salts every chain (the tiers' model namespace)
+        self._fills: list[TierFill] = []
         self.waiting: list[Request] = []  # sorted by Request.sort_key
         self.running: list[Request] = []
         self.swapped_bytes = 0
@@ -172,7 +180,9 @@ class Scheduler:
         refused: list[Request] = []
         if not preempted:
             budget = self._admit_waiting(budget, scheduled, swapped_in, refused)
-        return SchedulerOutput(tuple(scheduled), tuple(preempted), tuple(swapped_in), tuple(refused))
+        filled, self._fills = tuple(self._fills), []
+        return SchedulerOutput(tuple(scheduled), tuple(preempted), tuple(swapped_in), tuple(refused),
+                               filled, tuple(self.kv.drain_evicted()))
 
     def _slot_running(self, req: Request, n: int, preempted: list[Preemption]) -> bool:
         """Slot `n` tokens for a running request, preempting from the back until they fit."""
@@ -220,13 +230,19 @@ class Scheduler:
         refused.append(req)
 
     def _admit_new(self, req: Request, budget: int) -> int | None:
-        tokens, reads = req.all_token_ids, req.reads_prefix_cache
-        hit = self.kv.find_prefix(tokens, req.namespace, read_cache=reads)
+        tokens, reads, keys = req.all_token_ids, req.reads_prefix_cache, self.extra_keys
+        hit = self.kv.find_prefix(tokens, req.namespace, keys, read_cache=reads)
         n = min(len(tokens) - hit.num_computed_tokens, budget)
-        if not self.kv.can_allocate(tokens, req.namespace, max_num_new_tokens=n, read_cache=reads):
+        if not self.kv.can_allocate(tokens, req.namespace, keys, max_num_new_tokens=n, read_cache=reads):
             return None
-        alloc = self.kv.allocate(req.request_id, tokens, req.namespace, max_num_new_tokens=n,
-                                 read_cache=reads)
+        fetched = self._fetch_from_tiers(req, hit.num_computed_tokens // self.kv.block_size, budget)
+        num_fetched = fetched.num_blocks if fetched else 0
+        n = min(len(tokens) - hit.num_computed_tokens - num_fetched * self.kv.block_size, budget)
+        alloc = self.kv.allocate(req.request_id, tokens, req.namespace, keys, max_num_new_tokens=n,
+                                 read_cache=reads, num_fetched_blocks=num_fetched)
+        if fetched:
+            pages = self.kv.block_tables(req.request_id)[0][fetched.first_block:][:num_fetched]
+            self._fills.append(TierFill(req, tuple(pages), fetched.first_block, fetched.pages))
         self._num_known[req.request_id] = len(tokens)
         if req.num_preemptions == 0:
             req.num_cached_tokens = alloc.num_computed_tokens
@@ -235,10 +251,10 @@ class Scheduler:
         return alloc.num_new_tokens
 
     def _swap_in(self, req: Request, swapped_in: list[SwapIn]) -> bool:
-        tokens, reads = req.all_token_ids[:req.num_computed_tokens], req.reads_prefix_cache
-        if not self.kv.can_allocate(tokens, req.namespace, read_cache=reads):
+        tokens, reads, keys = req.all_token_ids[:req.num_computed_tokens], req.reads_prefix_cache, self.extra_keys
+        if not self.kv.can_allocate(tokens, req.namespace, keys, read_cache=reads):
             return False
-        alloc = self.kv.allocate(req.request_id, tokens, req.namespace, read_cache=reads)
+        alloc = self.kv.allocate(req.request_id, tokens, req.namespace, keys, read_cache=reads)
         self._num_known[req.request_id] = len(tokens)
         self.swapped_bytes -= self._bytes_of(self._swap_tables.pop(req.request_id))
         self._move_to_running(req)
@@ -250,6 +266,29 @@ class Scheduler:
         self.waiting.remove(req)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
+
+    # --- KV tiers ---------------------------------------------------------------------------
+
+    def _fetch_from_tiers(self, req: Request, num_hit_blocks: int, budget: int):
+        """Verified tier pages after the pool's hit, if the cost model says they pay and the
+        pool can hold them now (else None: the request computes, as without tiers)."""
+        if self.tiers is None or not req.reads_prefix_cache:
+            return None
+        bs, tokens = self.kv.block_size, req.all_token_ids
+        most = (len(tokens) - 1) // bs - num_hit_blocks
+        if most < 1:
+            return None
+        n = min(len(tokens) - (num_hit_blocks + most) * bs, budget)
+        if not self.kv.can_allocate(tokens, req.namespace, self.extra_keys, max_num_new_tokens=n,
+                                    num_fetched_blocks=most):
+            return None  # under pool pressure: no room for fetched pages now
+        return fetch_prefix(self.tiers, self.kv, req, num_hit_blocks, self.extra_keys, most)
+
+    def commit_fills(self, out: SchedulerOutput) -> None:
+        """The engine wrote this step's tier pages into the pool: cache them now."""
+        for fill in out.filled:
+            if fill.request.status is RequestStatus.RUNNING:
+                self.kv.commit_fetched(fill.request.request_id)
 
     # --- preemption and release -----------------------------------------------------------
 
@@ -320,7 +359,8 @@ class Scheduler:
             num_swapped=sum(r.status is RequestStatus.SWAPPED for r in self.waiting),
             num_preemptions_swap=self.num_preemptions["swap"],
             num_preemptions_recompute=self.num_preemptions["recompute"],
-            swapped_bytes=self.swapped_bytes, kv=self.kv.stats(run_audit_check=False))
+            swapped_bytes=self.swapped_bytes, kv=self.kv.stats(run_audit_check=False),
+            tiers=self.tiers.stats() if self.tiers is not None else ())
 
     def audit(self) -> AuditReport:
         """Recount the pool with the running requests as the only live owners."""

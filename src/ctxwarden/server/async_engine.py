@@ -91,6 +91,9 @@ class AsyncEngine:
         if self._thread.is_alive():
             self._commands.put(_Stop())
             self._thread.join(timeout_s)
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()  # the KV tiers' writer and probe threads
 
     # --- the asyncio side -------------------------------------------------------------------
 

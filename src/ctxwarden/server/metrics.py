@@ -8,7 +8,11 @@ outcomes and latencies are counted by the server as they happen.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from ctxwarden.kv.tiers.breaker import STATE_VALUES
+from ctxwarden.kv.tiers.stats import DECISIONS, FETCH_BUCKETS_S
+from ctxwarden.kv.tiers.value import INTEGRITY_REASONS
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -39,6 +43,59 @@ _COUNTERS = (
 )
 
 
+_TIER_COUNTERS = (  # name, help, TierStats -> value; labelled by model and tier
+    ("ctxwarden_kv_tier_hits", "KV blocks served by a tier (fetched and verified).", lambda t: t.num_hit_blocks),
+    ("ctxwarden_kv_tier_misses", "KV blocks looked up in a tier and not served by it.", lambda t: t.num_miss_blocks),
+    ("ctxwarden_kv_tier_bytes_in", "Bytes stored into a tier.", lambda t: t.bytes_in),
+    ("ctxwarden_kv_tier_bytes_out", "Bytes fetched (and verified) from a tier.", lambda t: t.bytes_out),
+    ("ctxwarden_kv_tier_stores", "Stores written to a tier.", lambda t: t.num_stores),
+    ("ctxwarden_kv_tier_dropped_stores", "Stores dropped (queue full or breaker open).",
+     lambda t: t.num_dropped_stores),
+    ("ctxwarden_kv_tier_breaker_opens", "Times a tier's circuit breaker opened.", lambda t: t.num_breaker_opens),
+)
+_TIER_GAUGES = (
+    ("ctxwarden_kv_tier_breaker_state", "Circuit breaker: 0 closed, 1 half-open, 2 open.",
+     lambda t: STATE_VALUES[t.breaker_state]),
+    ("ctxwarden_kv_tier_used_bytes", "Bytes a tier holds (RAM, disk; 0 for Redis).", lambda t: t.used_bytes),
+)
+
+
+def _tier_families(snapshots: dict):
+    """Per-tier families from each model's EngineStats.tiers (empty without tiers)."""
+    rows = [(model, t) for model, stats in snapshots.items() for t in getattr(stats, "tiers", ())]
+    for kind, specs in ((CounterMetricFamily, _TIER_COUNTERS), (GaugeMetricFamily, _TIER_GAUGES)):
+        for name, help_text, read in specs:
+            family = kind(name, help_text, labels=["model", "tier"])
+            for model, t in rows:
+                family.add_metric([model, t.tier], float(read(t)))
+            yield family
+    integrity = CounterMetricFamily("ctxwarden_kv_tier_integrity_failures", "Values that failed "
+                                    "verification (deleted, recomputed).", labels=["model", "tier", "reason"])
+    decisions = CounterMetricFamily("ctxwarden_kv_tier_decisions", "Per request: fetch, skipped "
+                                    "(recompute was cheaper), recompute (a fetch fell short).",
+                                    labels=["model", "tier", "decision"])
+    for model, t in rows:
+        for reason in INTEGRITY_REASONS:
+            integrity.add_metric([model, t.tier, reason], float(t.integrity(reason)))
+        for action in DECISIONS:
+            decisions.add_metric([model, t.tier, action], float(t.decision(action)))
+    yield integrity
+    yield decisions
+    yield _fetch_histogram(rows)
+
+
+def _fetch_histogram(rows) -> HistogramMetricFamily:
+    family = HistogramMetricFamily("ctxwarden_kv_tier_fetch_seconds", "Wall time of one tier fetch, "
+                                   "verification included.", labels=["model", "tier"])
+    for model, t in rows:
+        cumulative, buckets = 0, []
+        for bound, count in zip(FETCH_BUCKETS_S + (float("inf"),), t.fetch_bucket_counts):
+            cumulative += count
+            buckets.append(("+Inf" if bound == float("inf") else str(bound), cumulative))
+        family.add_metric([model, t.tier], buckets, t.fetch_seconds_sum)
+    return family
+
+
 class _EngineCollector:
     """Exports the latest EngineStats of each served model, labelled by model."""
 
@@ -56,6 +113,7 @@ class _EngineCollector:
             for model, stats in self.snapshots.items():
                 family.add_metric([model], float(read(stats)))
             yield family
+        yield from _tier_families(self.snapshots)
 
     def describe(self):
         return []  # collected lazily: the snapshot is set just before each scrape

@@ -228,9 +228,10 @@ class KVTiers:
         """Whether the manifest the object names exists, verifies, and vouches for its blocks."""
         if h.manifest_key == NO_KEY:
             raise IntegrityError("manifest", "a shared-tier object names no commit record")
-        if h.manifest_key not in manifests:
-            manifests[h.manifest_key] = self._read_manifest(t, h.manifest_key, exp.root, deadline_s)
-        m = manifests[h.manifest_key]
+        record = (h.manifest_key, h.store_root)
+        if record not in manifests:
+            manifests[record] = self._read_manifest(t, h.manifest_key, h.store_root, exp.root, deadline_s)
+        m = manifests[record]
         if m is None:
             return False
         listed = (h.own_key, h.first_block, h.num_blocks) in m.objects
@@ -240,8 +241,9 @@ class KVTiers:
                                  f"{h.first_block}..{h.first_block + h.num_blocks - 1}")
         return True
 
-    def _read_manifest(self, t: _Tier, own_key: BlockHash, root: bytes, deadline_s: float) -> Manifest | None:
-        key = manifest_key(self.key_prefix, own_key)
+    def _read_manifest(self, t: _Tier, own_key: BlockHash, store_root: bytes, root: bytes,
+                       deadline_s: float) -> Manifest | None:
+        key = manifest_key(self.key_prefix, own_key, store_root)
         value = t.store.get_many([key], deadline_s)[0]
         if value is None:
             return None
@@ -353,7 +355,7 @@ class KVTiers:
             objects.append((object_key(self.key_prefix, own), value))
             entries.append((own, first, n))
         m = Manifest(job.root, last, store_root, start, tuple(entries), tuple(sums))
-        return objects, (manifest_key(self.key_prefix, last), encode_manifest(m))
+        return objects, (manifest_key(self.key_prefix, last, store_root), encode_manifest(m))
 
     # --- health, stats, shutdown ---------------------------------------------------------------
 

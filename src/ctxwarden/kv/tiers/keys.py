@@ -5,7 +5,7 @@
     root      = kv.prefix.root_hash(tenant namespace, extra_keys=(namespace,))
     h[j]      = the prefix chain over full blocks (kv.prefix), exactly the pool's cache key
     object key   "cw<v>:<ns8>:o:<hex h[last block of the object]>"
-    manifest key "cw<v>:<ns8>:m:<hex h[last block of the store]>"
+    manifest key "cw<v>:<ns8>:m:<hex h[last block of the store]>:<hex of its Merkle root, 16 B>"
 
 The namespace enters the root of every chain, so a different model, dtype, block size,
 RoPE setting or tenant never even computes the same key; the value's header repeats the
@@ -89,6 +89,11 @@ def object_key(prefix: str, last_block_hash: BlockHash) -> str:
     return f"{prefix}:o:{last_block_hash.hex()}"
 
 
-def manifest_key(prefix: str, last_block_hash: BlockHash) -> str:
-    """The key of the manifest committing a store that ends with `last_block_hash`."""
-    return f"{prefix}:m:{last_block_hash.hex()}"
+def manifest_key(prefix: str, last_block_hash: BlockHash, store_root: bytes) -> str:
+    """The key of the manifest committing a store that ends with `last_block_hash`.
+
+    The store's Merkle root is part of the key: two stores of the same prefix whose bytes
+    differ (another replica, another batch shape) each get their own commit record, so an
+    old record can never block, or vouch for, a newer store's objects.
+    """
+    return f"{prefix}:m:{last_block_hash.hex()}:{store_root[:16].hex()}"

@@ -54,8 +54,9 @@ class BlockPool:
         self._cached: dict[CacheKey, int] = {}
         self._num_in_use = 0
         self.num_evictions = 0
-        # (block id, key) of every eviction since the last drain, when someone spills them
-        self.eviction_log: list[tuple[int, CacheKey]] | None = None
+        # called with (block id, key) as a cached block is evicted, while its bytes are
+        # intact, by an owner that spills them (the manager, when a RAM tier is configured)
+        self.on_evict: Callable[[int, CacheKey], None] | None = None
 
     # --- counts -------------------------------------------------------------------------
 
@@ -105,8 +106,8 @@ class BlockPool:
 
     def _evict_one(self) -> int:
         block_id, _ = self._evictable.popitem(last=False)
-        if self.eviction_log is not None:
-            self.eviction_log.append((block_id, self._keys[block_id]))
+        if self.on_evict is not None:
+            self.on_evict(block_id, self._keys[block_id])
         del self._cached[self._keys[block_id]]
         self._keys[block_id] = None
         self.num_evictions += 1

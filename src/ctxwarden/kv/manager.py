@@ -133,8 +133,9 @@ class KVCacheManager:
         # What a cached block holds (root, index, parent, tokens), kept only to spill it on
         # eviction (a RAM tier is configured): the pool itself knows ids and keys only.
         self._block_meta: dict[int, tuple] | None = {} if record_evictions else None
+        self._evicted: list[EvictedBlock] = []
         if record_evictions:
-            self.pool.eviction_log = []
+            self.pool.on_evict = self._on_evict
 
     # --- allocate ---------------------------------------------------------------------
 
@@ -434,16 +435,15 @@ class KVCacheManager:
                      len(token_ids) // self.block_size)
         return chain
 
+    def _on_evict(self, page_id: int, key) -> None:
+        """The pool evicts a cached block: record what it holds now (its page may be reused
+        and re-registered within the same scheduling pass)."""
+        root, j, parent, tokens = self._block_meta.pop(page_id)
+        self._evicted.append(EvictedBlock(page_id, key[0], j, key[1], parent, root, tokens))
+
     def drain_evicted(self) -> list[EvictedBlock]:
         """Blocks evicted since the last call, oldest first (empty unless recording)."""
-        log = self.pool.eviction_log
-        if not log:
-            return []
-        out = []
-        for page_id, (g, block_hash) in log:
-            root, j, parent, tokens = self._block_meta.pop(page_id)
-            out.append(EvictedBlock(page_id, g, j, block_hash, parent, root, tokens))
-        log.clear()
+        out, self._evicted = self._evicted, []
         return out
 
     # --- what the runner reads -----------------------------------------------------------

@@ -56,6 +56,8 @@ _TIER_COUNTERS = (  # name, help, TierStats -> value; labelled by model and tier
 _TIER_GAUGES = (
     ("ctxwarden_kv_tier_breaker_state", "Circuit breaker: 0 closed, 1 half-open, 2 open.",
      lambda t: STATE_VALUES[t.breaker_state]),
+    ("ctxwarden_kv_tier_degraded", "1 while a tier's writes are suspended after an error (e.g. a full disk).",
+     lambda t: int(t.is_degraded)),
     ("ctxwarden_kv_tier_used_bytes", "Bytes a tier holds (RAM, disk; 0 for Redis).", lambda t: t.used_bytes),
 )
 

@@ -102,6 +102,9 @@ class _Tier:
     def __init__(self, spec: TierSpec, store, page: PageFormat):
         self.spec, self.name, self.store = spec, spec.kind, store
         self.breaker = CircuitBreaker(cooldown_s=max(1.0, 4 * spec.probe_interval_ms / 1000))
+        # A full or failing disk still reads: its writes stop at the first error (the tier is
+        # "degraded") and are tried again after a cooldown. Redis has one breaker for both.
+        self.write_breaker = CircuitBreaker(1, 10.0) if spec.kind == "disk" else self.breaker
         self.counters = TierCounters()
         self.blocks_per_object = 1 if spec.kind == "ram" else max(1, spec.object_bytes // page.page_bytes)
         self.requires_manifest = spec.kind != "ram"
@@ -274,10 +277,11 @@ class KVTiers:
             log.info("kv tier %s: fetch stopped at block %d of %d..%d (%s); recomputing the rest",
                      t.name, run.first_block + num_blocks, run.first_block, run.end_block - 1, shortfall)
 
-    def _failed(self, t: _Tier, what: str, e: Exception) -> None:
-        t.breaker.record_failure()
+    def _failed(self, t: _Tier, what: str, e: Exception, breaker: CircuitBreaker | None = None) -> None:
+        breaker = breaker or t.breaker
+        breaker.record_failure()
         t.counters.add(num_errors=1)
-        log.warning("kv tier %s: %s failed (%s); breaker %s", t.name, what, e, t.breaker.state)
+        log.warning("kv tier %s: %s failed (%s); breaker %s", t.name, what, e, breaker.state)
 
     def count_decision(self, tier: str, action: str) -> None:
         """Record one request's fetch / skipped decision for a tier (the scheduler decides)."""
@@ -310,7 +314,7 @@ class KVTiers:
         for t in self.tiers:
             if t.writer is None:
                 continue
-            if not t.breaker.allow():
+            if not t.write_breaker.allow():
                 t.counters.add(num_dropped_stores=1)
             elif not t.writer.submit(job):
                 t.counters.add(num_dropped_stores=1)
@@ -332,10 +336,10 @@ class KVTiers:
             t.store.put_many(new)
             t.store.put_many([manifest])  # last: the commit record
         except TierUnavailable as e:
-            self._failed(t, "store", e)
+            self._failed(t, "store", e, t.write_breaker)
             t.counters.add(num_store_errors=1)
             return
-        t.breaker.record_success()
+        t.write_breaker.record_success()
         t.counters.add(num_stores=1, bytes_in=sum(len(v) for _, v in new) + len(manifest[1]))
 
     def _encode_store(self, t: _Tier, job: StoreJob, start: int, end: int):
@@ -410,7 +414,8 @@ def _snapshot(t: _Tier) -> TierStats:
     with c.lock:
         counts = dict(c.counts)
         return TierStats(
-            tier=t.name, breaker_state=t.breaker.state, num_breaker_opens=t.breaker.num_opens,
+            tier=t.name, breaker_state=t.breaker.state, is_degraded=t.write_breaker.state != "closed",
+            num_breaker_opens=t.breaker.num_opens + (t.write_breaker.num_opens if t.write_breaker is not t.breaker else 0),
             num_lookups=counts.get("num_lookups", 0), num_hit_blocks=counts.get("num_hit_blocks", 0),
             num_miss_blocks=counts.get("num_miss_blocks", 0), bytes_in=counts.get("bytes_in", 0),
             bytes_out=counts.get("bytes_out", 0), fetch_bucket_counts=tuple(c.fetch_buckets),

@@ -22,6 +22,7 @@ class TierStats:
 
     tier: str
     breaker_state: str
+    is_degraded: bool  # writes suspended after an error (a full disk), reads still served
     num_breaker_opens: int
     num_lookups: int
     num_hit_blocks: int

@@ -6,8 +6,9 @@
     ranking  = rendezvous (highest random weight) hashing: replicas ordered by
                BLAKE2b(key | replica); adding or removing a replica moves only its share
     bound    = the first replica in that order whose in-flight count is below
-               ceil(load_factor x (in-flight over healthy replicas + 1) / healthy replicas):
+               max(min_in_flight, ceil(load_factor x (in-flight + 1) / healthy replicas)):
                one hot prefix spills to its second-ranked replica instead of flooding one
+               (the floor keeps affinity at low load: a replica batches several requests)
 
 The router has no tokenizer, so it chains over bytes of text, not over token ids: equal
 prompt prefixes still get equal keys, which is all routing needs.
@@ -31,6 +32,7 @@ class AffinityConfig:
     block_bytes: int = 256
     num_blocks: int = 4  # the first 1 KiB of the prompt picks the replica
     load_factor: float = 1.25
+    min_in_flight: int = 4  # below this a replica is never "full"
 
     def __post_init__(self):
         if self.block_bytes < 1 or self.num_blocks < 1:
@@ -86,6 +88,6 @@ def choose(key: BlockHash, in_flight: Mapping[str, int], config: AffinityConfig)
     ranked = rank(key, list(in_flight))
     if not ranked:
         return []
-    bound = math.ceil(config.load_factor * (sum(in_flight.values()) + 1) / len(ranked))
+    bound = max(config.min_in_flight, math.ceil(config.load_factor * (sum(in_flight.values()) + 1) / len(ranked)))
     first = next((r for r in ranked if in_flight[r] < bound), ranked[0])
     return [first] + [r for r in ranked if r != first]

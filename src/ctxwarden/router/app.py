@@ -82,7 +82,8 @@ class Replicas:
     def mark(self, url: str, is_healthy: bool) -> None:
         """Record a replica's health (a check's answer, or a request that could not reach it)."""
         if self.healthy[url] != is_healthy:
-            log.warning("replica %s is %s", url, "healthy" if is_healthy else "DOWN: no traffic until it answers")
+            log.log(logging.INFO if is_healthy else logging.WARNING, "replica %s is %s", url,
+                    "healthy" if is_healthy else "DOWN: no traffic until it answers")
         self.healthy[url] = is_healthy
         self.health_gauge.labels(replica=url).set(int(is_healthy))
 

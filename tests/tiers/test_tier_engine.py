@@ -30,7 +30,10 @@ def _prompt(seed=0, n=PROMPT_TOKENS):
 
 
 def _llm(model_dir, tiers=None, kv_memory="8MiB", **options):
+    """An engine chunking at the hit boundary; it fetches whatever a tier holds (these tests
+    are about what a fetch returns: the cost model's choices are tested in test_tier_cost)."""
     options.setdefault("max_batched_tokens", HIT_TOKENS)
+    options.setdefault("kv_tier_fetch", "always")
     return LLM(str(model_dir), kv_memory=kv_memory, kv_tiers=tiers, **options)
 
 

@@ -36,7 +36,7 @@ def replicas(tiny_dir, key_file, redis_server):
     def make(n: int = 1) -> list[ServerThread]:
         tiers = f"{redis_server.url}?object_bytes=32KiB&timeout_ms=200&probe_interval_ms=100"
         config = ServerConfig.build(model=str(tiny_dir), kv_memory="8MiB", api_keys=str(key_file),
-                                    kv_tiers=tiers, max_batched_tokens=HIT_TOKENS)
+                                    kv_tiers=tiers, kv_tier_fetch="always", max_batched_tokens=HIT_TOKENS)
         new = [ServerThread(lambda: create_app(config)).start() for _ in range(n)]
         started.extend(new)
         return new

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import MISSING, fields
 
-from ctxwarden.engine.config import PREEMPTION_MODES, RUNNER_KV_DTYPES, EngineConfig
+from ctxwarden.engine.config import PREEMPTION_MODES, RUNNER_KV_DTYPES, TIER_FETCH_POLICIES, EngineConfig
 from ctxwarden.spec.dtypes import ACTIVATION_DTYPES
 
 # field -> (flag, help). Byte sizes take units; the flag name drops the `_bytes` suffix.
@@ -31,11 +31,13 @@ _FLAGS = {
     "sink_tokens": ("--sink-tokens", "sink mode: tokens kept at the start (needs --window-tokens)"),
     "kv_tiers": ("--kv-tiers", "KV tiers beyond the pool, e.g. ram:4GiB,disk:/path:20GiB,redis://127.0.0.1:6379 "
                  "(off unless named; see docs/kv-tiers.md)"),
+    "kv_tier_fetch": ("--kv-tier-fetch", "auto: fetch from a tier only where the cost model says it beats "
+                      "recomputing; always: fetch whatever a tier holds"),
 }
 _TEXT_FIELDS = {"model": "MODEL", "kv_tiers": "TIERS"}  # free text, not a number
 _CHOICES = {"dtype": ACTIVATION_DTYPES + ("float32", "bfloat16", "float16"),
             "kv_dtype": RUNNER_KV_DTYPES + ("float32", "bfloat16", "float16"),
-            "preemption_mode": PREEMPTION_MODES}
+            "preemption_mode": PREEMPTION_MODES, "kv_tier_fetch": TIER_FETCH_POLICIES}
 
 
 def add_engine_arguments(p: argparse.ArgumentParser, **default_overrides) -> None:

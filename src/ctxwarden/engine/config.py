@@ -14,6 +14,7 @@ from ctxwarden.spec.dtypes import ACTIVATION_DTYPES, canonical_dtype
 from ctxwarden.units import parse_bytes
 
 PREEMPTION_MODES = ("auto", "recompute", "swap")
+TIER_FETCH_POLICIES = ("auto", "always")  # auto: the cost model; always: fetch whatever is found
 SERVER_MAX_WAITING = 256  # a server bounds its queue (429 past it); offline runs do not
 # What the torch runner can store today (the planner plans fp8 KV too).
 RUNNER_KV_DTYPES = ("fp32", "bf16", "fp16")
@@ -42,6 +43,7 @@ class EngineConfig:
     window_tokens: int | None = None  # sink (streaming) mode: the rolling window
     sink_tokens: int = 0  # sink mode: tokens kept at the start
     kv_tiers: TiersConfig | str | None = None  # 'ram:4GiB,disk:/path:20GiB,redis://host:6379'
+    kv_tier_fetch: str = "auto"  # auto: fetch only where the cost model says it beats recompute
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype, ACTIVATION_DTYPES))
@@ -70,6 +72,9 @@ class EngineConfig:
         if tiers.is_enabled and not self.enable_prefix_caching:
             raise ValueError("kv_tiers extend the prefix cache; they need enable_prefix_caching=True "
                              "(drop --no-prefix-caching or --kv-tiers)")
+        if self.kv_tier_fetch not in TIER_FETCH_POLICIES:
+            raise ValueError(f"kv_tier_fetch must be one of {', '.join(TIER_FETCH_POLICIES)}, "
+                             f"got {self.kv_tier_fetch!r}")
         if tiers.is_enabled and self.is_unbounded_length:
             raise ValueError("kv_tiers do not support sink / rolling-window mode (window_tokens); "
                              "drop --kv-tiers or --window-tokens")

@@ -76,7 +76,7 @@ class Engine:
             self._scheduler_config(), PreemptionCost(
                 flops_per_token=2.0 * count_parameters(self.spec),
                 kv_bytes_per_token=kv_bytes_per_token(self.spec, config.kv_dtype)),
-            tiers=self.tiers, extra_keys=extra_keys)
+            tiers=self.tiers, extra_keys=extra_keys, tier_fetch=config.kv_tier_fetch)
         self.tokenizer = _load_tokenizer(self.checkpoint)
         eos = set(self.spec.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()))
         self.outputs = OutputProcessor(self.tokenizer, eos, None if config.is_unbounded_length

@@ -121,12 +121,13 @@ class Scheduler:
     """Owns the waiting and running queues and every call into the KV manager."""
 
     def __init__(self, kv: KVCacheManager, config: SchedulerConfig, cost: PreemptionCost,
-                 tiers=None, extra_keys: tuple[bytes, ...] = ()):
+                 tiers=None, extra_keys: tuple[bytes, ...] = (), tier_fetch: str = "auto"):
         self.kv = kv
         self.config = config
         self.cost = cost
         self.tiers = tiers  # kv.tiers.KVTiers, or None: prefixes live in the pool only
         self.extra_keys = extra_keys  # salts every chain (the tiers' model namespace)
+        self.tier_fetch = tier_fetch  # auto (the cost model decides) | always
         self._fills: list[TierFill] = []
         self.waiting: list[Request] = []  # sorted by Request.sort_key
         self.running: list[Request] = []
@@ -282,7 +283,7 @@ class Scheduler:
         if not self.kv.can_allocate(tokens, req.namespace, self.extra_keys, max_num_new_tokens=n,
                                     num_fetched_blocks=most):
             return None  # under pool pressure: no room for fetched pages now
-        return fetch_prefix(self.tiers, self.kv, req, num_hit_blocks, self.extra_keys, most)
+        return fetch_prefix(self.tiers, self.kv, req, num_hit_blocks, self.extra_keys, most, self.tier_fetch)
 
     def commit_fills(self, out: SchedulerOutput) -> None:
         """The engine wrote this step's tier pages into the pool: cache them now."""

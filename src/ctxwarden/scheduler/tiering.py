@@ -20,10 +20,11 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ctxwarden.kv import KVCacheManager
-from ctxwarden.kv.tiers import Expected, KVTiers
+from ctxwarden.kv.tiers import Decision, Expected, KVTiers
 from ctxwarden.request import Request
 
 log = logging.getLogger("ctxwarden.scheduler.tiers")
+ALWAYS_DEADLINE_S = 30.0  # policy "always": only the tiers' own socket timeouts cut a fetch short
 
 
 @dataclass(frozen=True)
@@ -55,11 +56,12 @@ def num_wanted_blocks(req: Request, num_hit_blocks: int, block_size: int) -> int
 
 
 def fetch_prefix(tiers: KVTiers, kv: KVCacheManager, req: Request, num_hit_blocks: int,
-                 extra_keys: Sequence[bytes], max_blocks: int) -> FetchedPrefix | None:
-    """Fetch up to `max_blocks` blocks after the pool's hit, where the cost model says it pays."""
+                 extra_keys: Sequence[bytes], max_blocks: int, policy: str = "auto") -> FetchedPrefix | None:
+    """Fetch up to `max_blocks` blocks after the pool's hit, where the cost model says it pays
+    (policy "auto"), or wherever a tier holds them ("always": no skip, no break-even deadline)."""
     bs = kv.block_size
     end = num_hit_blocks + min(max_blocks, num_wanted_blocks(req, num_hit_blocks, bs))
-    if end <= num_hit_blocks or _too_short(tiers, (end - num_hit_blocks) * bs, req):
+    if end <= num_hit_blocks or (policy == "auto" and _too_short(tiers, (end - num_hit_blocks) * bs, req)):
         return None
     tokens = req.all_token_ids
     exp = Expected(kv.root(req.namespace, extra_keys), kv.block_hashes(tokens, req.namespace, extra_keys),
@@ -70,6 +72,8 @@ def fetch_prefix(tiers: KVTiers, kv: KVCacheManager, req: Request, num_hit_block
             break
         d = tiers.cost.decide(run.tier, run.num_blocks * bs, run.num_blocks * tiers.page.page_bytes,
                               1 + len(run.objects) // tiers.tier(run.tier).spec.batch_objects)
+        if policy == "always":
+            d = Decision(d.tier, "fetch", d.fetch_s, max(d.recompute_s, ALWAYS_DEADLINE_S))
         tiers.count_decision(run.tier, d.action)
         if not d.is_fetch:
             log.info("%s: %d blocks in %s skipped: fetch %.4f s >= recompute %.4f s", req.request_id,

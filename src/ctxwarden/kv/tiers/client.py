@@ -31,7 +31,7 @@ from ctxwarden.kv.tiers.config import TierSpec, TiersConfig
 from ctxwarden.kv.tiers.cost import CostModel
 from ctxwarden.kv.tiers.keys import TierNamespace, manifest_key, object_key
 from ctxwarden.kv.tiers.stats import FETCH_BUCKETS_S, TierCounters, TierStats
-from ctxwarden.kv.tiers.stores import DiskStore, RamStore, RedisStore, TierUnavailable
+from ctxwarden.kv.tiers.stores import DeadlinePassed, DiskStore, RamStore, RedisStore, TierUnavailable
 from ctxwarden.kv.tiers.value import (NO_KEY, Expected, IntegrityError, Manifest, ObjectHeader,
                                       PageFormat, block_sum, decode_manifest, decode_object,
                                       encode_manifest, encode_object, merkle_root)
@@ -204,6 +204,8 @@ class KVTiers:
         keys = [object_key(self.key_prefix, exp.chain[f + n - 1]) for f, n in objects]
         try:
             values = t.store.get_many(keys, deadline_s)
+        except DeadlinePassed:
+            return [], "deadline"
         except TierUnavailable as e:
             self._failed(t, "fetch", e)
             return [], "unavailable"
@@ -214,7 +216,7 @@ class KVTiers:
                 return out, "missing"
             try:
                 header, views = decode_object(value, exp, first, n)
-                if t.requires_manifest and not self._committed(t, header, exp, manifests, deadline_s):
+                if t.requires_manifest and not self._committed(t, header, exp, manifests):
                     t.store.delete([key])  # never committed (or its record is gone): a miss
                     return out, "uncommitted"
             except IntegrityError as e:
@@ -226,14 +228,13 @@ class KVTiers:
             out.append((first, views))
         return out, None
 
-    def _committed(self, t: _Tier, h: ObjectHeader, exp: Expected, manifests: dict,
-                   deadline_s: float) -> bool:
+    def _committed(self, t: _Tier, h: ObjectHeader, exp: Expected, manifests: dict) -> bool:
         """Whether the manifest the object names exists, verifies, and vouches for its blocks."""
         if h.manifest_key == NO_KEY:
             raise IntegrityError("manifest", "a shared-tier object names no commit record")
         record = (h.manifest_key, h.store_root)
         if record not in manifests:
-            manifests[record] = self._read_manifest(t, h.manifest_key, h.store_root, exp.root, deadline_s)
+            manifests[record] = self._read_manifest(t, h.manifest_key, h.store_root, exp.root)
         m = manifests[record]
         if m is None:
             return False
@@ -244,10 +245,11 @@ class KVTiers:
                                  f"{h.first_block}..{h.first_block + h.num_blocks - 1}")
         return True
 
-    def _read_manifest(self, t: _Tier, own_key: BlockHash, store_root: bytes, root: bytes,
-                       deadline_s: float) -> Manifest | None:
+    def _read_manifest(self, t: _Tier, own_key: BlockHash, store_root: bytes, root: bytes) -> Manifest | None:
+        """The commit record (one small GET, not cut by the deadline: the objects it vouches
+        for have already arrived)."""
         key = manifest_key(self.key_prefix, own_key, store_root)
-        value = t.store.get_many([key], deadline_s)[0]
+        value = t.store.get_many([key])[0]
         if value is None:
             return None
         try:

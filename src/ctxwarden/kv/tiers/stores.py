@@ -30,6 +30,10 @@ class TierUnavailable(OSError):
     """The store could not answer (down, hung, full disk, I/O error)."""
 
 
+class DeadlinePassed(TierUnavailable):
+    """The caller's deadline passed before all of a request was sent (not the store's fault)."""
+
+
 class RamStore:
     """Values in host memory: LRU under `capacity_bytes`, plus pinned (swap) entries."""
 
@@ -252,7 +256,7 @@ class RedisStore:
         try:
             for start in range(0, len(commands), self.batch_objects):
                 if deadline_s is not None and time.monotonic() > deadline_s:
-                    raise TierUnavailable(f"redis tier: deadline passed after {len(out)} of {len(commands)} commands")
+                    raise DeadlinePassed(f"redis tier: deadline passed after {len(out)} of {len(commands)} commands")
                 pipe = self.client.pipeline(transaction=False)
                 for method, args, kwargs in commands[start:start + self.batch_objects]:
                     getattr(pipe, method)(*args, **kwargs)

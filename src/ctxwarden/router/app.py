@@ -8,9 +8,10 @@
     GET /metrics    -> requests per replica and status, health, in-flight, failovers
 
 Health: every `health_interval_s` each replica's /health is asked (timeout half the
-interval); a replica is routed to only while its last answer was 200, so a dead or
-restarting replica stops getting traffic within one interval (at once, if a request
-finds it unreachable first).
+interval). A refused connection (the replica is dead or restarting) or a non-200 answer
+takes it out of routing at once, so it stops getting traffic within one interval (at once,
+if a request finds it unreachable first); a check that merely times out counts only when
+the next one times out too (a busy replica answers slowly, it is not down).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class Replicas:
     def __init__(self, urls: tuple[str, ...]):
         self.urls = urls
         self.healthy = {u: False for u in urls}  # until the first check answers
+        self.slow_checks = {u: 0 for u in urls}  # health checks in a row that timed out
         self.in_flight = {u: 0 for u in urls}
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("ctxwarden_router_requests", "Requests proxied, by replica and status.",
@@ -102,8 +104,14 @@ async def check_all(client: httpx.AsyncClient, replicas: Replicas, timeout_s: fl
     async def one(url: str) -> None:
         try:
             ok = (await client.get(url + "/health", timeout=timeout_s)).status_code == 200
+        except httpx.TimeoutException:
+            replicas.slow_checks[url] += 1
+            if replicas.slow_checks[url] >= 2:
+                replicas.mark(url, False)
+            return
         except httpx.HTTPError:
             ok = False
+        replicas.slow_checks[url] = 0
         replicas.mark(url, ok)
     await asyncio.gather(*(one(u) for u in replicas.urls))
 

@@ -202,3 +202,16 @@ def test_swap_preemption_keeps_pages_in_the_ram_tier_store(tiny_dir):
     assert tight.engine.stats().num_preemptions_swap > 0
     assert tight.engine.swap.num_bytes == 0  # every swapped page came back
     tight.engine.close()
+
+
+def test_a_prefix_cache_reset_spills_to_ram_and_comes_back(tiny_dir, cold):
+    llm = _llm(tiny_dir, "ram:4MiB")
+    _run(llm, _prompt(3))
+    evicted = llm.engine.reset_prefix_cache()
+    assert evicted == (PROMPT_TOKENS + 7) // BS  # every full block of the prompt and its output
+    assert llm.engine.stats().kv.num_blocks_cached == 0
+    out, lp = _run(llm, _prompt(3))
+    assert out.num_cached_tokens == HIT_TOKENS and _tier(llm, "ram").num_hit_blocks == HIT_TOKENS // BS
+    assert lp == cold[3]
+    assert _tier(llm, "ram").verify_seconds_sum > 0
+    llm.engine.close()

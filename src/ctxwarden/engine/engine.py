@@ -266,6 +266,17 @@ class Engine:
         """Recount the KV pool now: every invariant, and blocks owned by no running request."""
         return self.scheduler.audit()
 
+    def reset_prefix_cache(self) -> int:
+        """Evict every cached block no request holds; with a RAM tier they spill there first.
+
+        Returns how many blocks were evicted. Their pages are copied out here, before any
+        step can reuse them: call it between steps (never from another thread).
+        """
+        n, spills = self.scheduler.reset_prefix_cache()
+        if self.mover is not None:
+            self.mover.before_forward(spills)
+        return n
+
     def release_finished(self) -> None:
         """Forget finished requests (their blocks were released when they finished)."""
         for rid in [rid for rid, r in self.requests.items() if r.is_finished]:

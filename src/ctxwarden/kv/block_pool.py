@@ -113,6 +113,13 @@ class BlockPool:
         self.num_evictions += 1
         return block_id
 
+    def evict_all_cached(self) -> int:
+        """Evict every evictable block (LRU first) to the free list; how many (a cache reset)."""
+        n = len(self._evictable)
+        for _ in range(n):
+            self._free.append(self._evict_one())
+        return n
+
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference from each block; unowned blocks join the free or evictable list.
 

@@ -441,6 +441,10 @@ class KVCacheManager:
         root, j, parent, tokens = self._block_meta.pop(page_id)
         self._evicted.append(EvictedBlock(page_id, key[0], j, key[1], parent, root, tokens))
 
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block no sequence holds (they spill first when recording)."""
+        return self.pool.evict_all_cached()
+
     def drain_evicted(self) -> list[EvictedBlock]:
         """Blocks evicted since the last call, oldest first (empty unless recording)."""
         out, self._evicted = self._evicted, []

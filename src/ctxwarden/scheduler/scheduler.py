@@ -285,6 +285,11 @@ class Scheduler:
             return None  # under pool pressure: no room for fetched pages now
         return fetch_prefix(self.tiers, self.kv, req, num_hit_blocks, self.extra_keys, most, self.tier_fetch)
 
+    def reset_prefix_cache(self) -> tuple[int, SchedulerOutput]:
+        """Evict the pool's unowned cached blocks: how many, and the spills to copy out now."""
+        n = self.kv.reset_prefix_cache()
+        return n, SchedulerOutput((), (), (), spilled=tuple(self.kv.drain_evicted()))
+
     def commit_fills(self, out: SchedulerOutput) -> None:
         """The engine wrote this step's tier pages into the pool: cache them now."""
         for fill in out.filled:

@@ -52,6 +52,8 @@ _TIER_COUNTERS = (  # name, help, TierStats -> value; labelled by model and tier
     ("ctxwarden_kv_tier_dropped_stores", "Stores dropped (queue full or breaker open).",
      lambda t: t.num_dropped_stores),
     ("ctxwarden_kv_tier_breaker_opens", "Times a tier's circuit breaker opened.", lambda t: t.num_breaker_opens),
+    ("ctxwarden_kv_tier_verify_seconds", "Seconds of fetch time spent verifying values (headers, "
+     "checksums, commit records).", lambda t: t.verify_seconds_sum),
 )
 _TIER_GAUGES = (
     ("ctxwarden_kv_tier_breaker_state", "Circuit breaker: 0 closed, 1 half-open, 2 open.",

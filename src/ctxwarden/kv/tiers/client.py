@@ -214,6 +214,7 @@ class KVTiers:
         for (first, n), key, value in zip(objects, keys, values):
             if value is None:
                 return out, "missing"
+            began = time.perf_counter()
             try:
                 header, views = decode_object(value, exp, first, n)
                 if t.requires_manifest and not self._committed(t, header, exp, manifests):
@@ -225,6 +226,8 @@ class KVTiers:
             except TierUnavailable as e:
                 self._failed(t, "fetch", e)
                 return out, "unavailable"
+            finally:
+                t.counters.add(verify_seconds=time.perf_counter() - began)
             out.append((first, views))
         return out, None
 
@@ -422,6 +425,7 @@ def _snapshot(t: _Tier) -> TierStats:
             num_miss_blocks=counts.get("num_miss_blocks", 0), bytes_in=counts.get("bytes_in", 0),
             bytes_out=counts.get("bytes_out", 0), fetch_bucket_counts=tuple(c.fetch_buckets),
             fetch_seconds_sum=c.fetch_seconds_sum, num_fetches=counts.get("num_fetches", 0),
+            verify_seconds_sum=counts.get("verify_seconds", 0.0),
             integrity_failures=tuple(sorted(c.integrity.items())), decisions=tuple(sorted(c.decisions.items())),
             num_stores=counts.get("num_stores", 0), num_dropped_stores=counts.get("num_dropped_stores", 0),
             num_store_errors=counts.get("num_store_errors", 0), used_bytes=getattr(t.store, "used_bytes", 0),

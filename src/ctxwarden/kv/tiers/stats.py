@@ -32,6 +32,7 @@ class TierStats:
     fetch_bucket_counts: tuple[int, ...]  # cumulative is computed by the renderer
     fetch_seconds_sum: float
     num_fetches: int
+    verify_seconds_sum: float  # of the fetch time: headers, checksums, commit records
     integrity_failures: tuple[tuple[str, int], ...]
     decisions: tuple[tuple[str, int], ...]
     num_stores: int
@@ -61,7 +62,7 @@ class TierCounters:
         self.fetch_buckets = [0] * (len(FETCH_BUCKETS_S) + 1)
         self.fetch_seconds_sum = 0.0
 
-    def add(self, **amounts: int) -> None:
+    def add(self, **amounts: float) -> None:
         """Add to named counters (num_lookups=1, bytes_out=4096, ...)."""
         with self.lock:
             self.counts.update(amounts)

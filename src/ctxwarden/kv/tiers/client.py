@@ -105,6 +105,10 @@ class _Tier:
         # A full or failing disk still reads: its writes stop at the first error (the tier is
         # "degraded") and are tried again after a cooldown. Redis has one breaker for both.
         self.write_breaker = CircuitBreaker(1, 10.0) if spec.kind == "disk" else self.breaker
+        # Stores run in the background with megabyte values: their socket waits may be longer
+        # than a fetch's, which a request is waiting on.
+        self.write_store = RedisStore(spec.url, 8 * spec.timeout_ms / 1000, spec.batch_objects) \
+            if spec.kind == "redis" else store
         self.counters = TierCounters()
         self.blocks_per_object = 1 if spec.kind == "ram" else max(1, spec.object_bytes // page.page_bytes)
         self.requires_manifest = spec.kind != "ram"
@@ -336,10 +340,10 @@ class KVTiers:
         objects, manifest = self._encode_store(t, job, start, end)
         try:
             keys = [k for k, _ in objects]
-            present = t.store.exists_many(keys, time.monotonic() + t.spec.timeout_ms / 1000 * 4)
+            present = t.write_store.exists_many(keys)
             new = [item for item, p in zip(objects, present) if not p]
-            t.store.put_many(new)
-            t.store.put_many([manifest])  # last: the commit record
+            t.write_store.put_many(new)
+            t.write_store.put_many([manifest])  # last: the commit record
         except TierUnavailable as e:
             self._failed(t, "store", e, t.write_breaker)
             t.counters.add(num_store_errors=1)
@@ -393,6 +397,7 @@ class KVTiers:
                 t.writer.close()
             if isinstance(t.store, RedisStore):
                 t.store.close()
+                t.write_store.close()
 
 
 def _path(present: Sequence[bool], start: int, end: int, g: int) -> list[tuple[int, int]]:

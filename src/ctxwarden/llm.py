@@ -52,7 +52,8 @@ class LLM:
         """Load `model` (HF dir, .gguf, None: SmolLM2-135M-Instruct) into an engine.
 
         `engine_options` are EngineConfig's fields (block_size, dtype, kv_dtype,
-        max_num_seqs, max_batched_tokens, max_model_len, enable_prefix_caching, ...);
+        max_num_seqs, max_batched_tokens, max_model_len, enable_prefix_caching,
+        kv_tiers='ram:4GiB,redis://127.0.0.1:6379', ...);
         `kv_memory` and `swap_space` may be strings with units ('2GiB'). Defaults are
         EngineConfig's.
         """
@@ -64,6 +65,10 @@ class LLM:
         llm = cls.__new__(cls)
         llm.engine = Engine(config)
         return llm
+
+    def close(self) -> None:
+        """Stop the KV tiers' background threads (writers, health probe); a no-op without tiers."""
+        self.engine.close()
 
     @property
     def tokenizer(self):

@@ -90,10 +90,12 @@ class Replicas:
         self.health_gauge.labels(replica=url).set(int(is_healthy))
 
     def begin(self, url: str) -> None:
+        """A request was sent to `url`."""
         self.in_flight[url] += 1
         self.flight_gauge.labels(replica=url).set(self.in_flight[url])
 
     def end(self, url: str, status: int) -> None:
+        """A request to `url` ended with `status` (its response fully relayed, or failed)."""
         self.in_flight[url] -= 1
         self.flight_gauge.labels(replica=url).set(self.in_flight[url])
         self.requests.labels(replica=url, status=str(status)).inc()

@@ -122,45 +122,59 @@ def test_a_hole_in_the_chain_serves_the_prefix_up_to_the_hole(tmp_path, redis_se
             tiers.close()
 
 
-def _corruptions(tiers, t, p: Prompt, other: Prompt):
-    """(name, mutate) pairs; each mutates the stored value of object [2,3] of `p`."""
-    key = object_key(tiers.key_prefix, p.chain[3])
-    key_b = object_key(tiers.key_prefix, p.chain[5])
-    store = t.store
+def _put(store, key, value):
+    store.delete([key])
+    store.put_many([(key, value)])
 
-    def put(k, v):
-        store.delete([k])
-        store.put_many([(k, v)])
 
-    def flip():
-        v = bytearray(store.get_many([key])[0])
-        v[-7] ^= 0x01
-        put(key, bytes(v))
+def _flip(store, key):
+    v = bytearray(store.get_many([key])[0])
+    v[-7] ^= 0x01  # one bit of the last page
+    _put(store, key, bytes(v))
 
-    def truncate():
-        put(key, store.get_many([key])[0][:-100])
 
-    def swap():
-        a, b = store.get_many([key, key_b])
-        put(key, b)
-        put(key_b, a)
+def _swap(store, key_a, key_b):
+    a, b = store.get_many([key_a, key_b])
+    _put(store, key_a, b)
+    _put(store, key_b, a)
 
-    def wrong_tokens():  # a writer bug: the right key, other token ids (a chain of its own)
-        wrong = Prompt(p.tokens[:8] + [1] * 4 + p.tokens[12:], pages=p.pages)
-        wrong.chain[:4] = p.chain[:4]
-        from ctxwarden.kv.tiers.value import ObjectHeader, block_sum, encode_object, merkle_root
-        sums = tuple(block_sum(x) for x in p.pages[2:4])
-        h = ObjectHeader(p.root, p.chain[3], p.chain[1], merkle_root(sums), p.chain[-1], 2, 2, sums)
-        put(key, encode_object(h, BS, PAGE, wrong.tokens[8:16], p.pages[2:4]))
 
-    def other_model():  # another model's value for the same tokens, under this key
-        other_tiers = _tiers([t.spec], weights="other")
+def _wrong_tokens_value(tiers, p: Prompt, first: int, n: int, manifest_key_hash: bytes) -> bytes:
+    """A writer bug: blocks [first, first + n) under their right key with other token ids."""
+    from ctxwarden.kv.tiers.value import ObjectHeader, block_sum, encode_object, merkle_root
+
+    sums = tuple(block_sum(x) for x in p.pages[first:first + n])
+    parent = p.chain[first - 1] if first else p.root
+    h = ObjectHeader(p.root, p.chain[first + n - 1], parent, merkle_root(sums), manifest_key_hash, first, n, sums)
+    return encode_object(h, BS, PAGE, [1] * (n * BS), p.pages[first:first + n])
+
+
+def _other_model_value(t, other: Prompt, last_block: int) -> bytes:
+    """Another model's value for the same tokens (written by a tier client of that model)."""
+    other_tiers = _tiers([t.spec], weights="other")
+    try:
+        if t.name == "ram":
+            return other_tiers._ram_object(other.spills([last_block])[0])
         other_tiers._write(other_tiers.tier(t.name), other.job())
-        put(key, other_tiers.tier(t.name).store.get_many([object_key(other_tiers.key_prefix, other.chain[3])])[0])
+        return other_tiers.tier(t.name).store.get_many([object_key(other_tiers.key_prefix, other.chain[last_block])])[0]
+    finally:
         other_tiers.close()
 
-    return [("bit flip", flip, "checksum"), ("truncation", truncate, "truncated"), ("swap", swap, "key"),
-            ("wrong token ids", wrong_tokens, "tokens"), ("another model", other_model, "namespace")]
+
+def _corruptions(tiers, t, p: Prompt, other: Prompt):
+    """(name, mutate, reason) for the object ending at block 3 (RAM: block 3 alone; disk,
+    Redis: blocks 2-3), each mutating what the tier holds under that key."""
+    store, is_ram = t.store, t.name == "ram"
+    key = object_key(tiers.key_prefix, p.chain[3])
+    neighbour = object_key(tiers.key_prefix, p.chain[4 if is_ram else 5])
+    first, n = (3, 1) if is_ram else (2, 2)
+    manifest_hash = bytes(32) if is_ram else p.chain[-1]
+    return [("bit flip", lambda: _flip(store, key), "checksum"),
+            ("truncation", lambda: _put(store, key, store.get_many([key])[0][:-100]), "truncated"),
+            ("swap", lambda: _swap(store, key, neighbour), "key"),
+            ("wrong token ids", lambda: _put(store, key, _wrong_tokens_value(tiers, p, first, n, manifest_hash)),
+             "tokens"),
+            ("another model", lambda: _put(store, key, _other_model_value(t, other, 3)), "namespace")]
 
 
 @pytest.mark.parametrize("kind", ["ram", "disk", "redis"])
@@ -179,8 +193,6 @@ def test_every_corruption_is_detected_deleted_and_never_served(kind, tmp_path, r
         else:
             tiers._write(t, p.job())
         name, mutate, reason = _corruptions(tiers, t, p, other)[case]
-        if kind == "ram":
-            name, mutate, reason = _ram_corruptions(tiers, t, p, other)[case]
         mutate()
         pages, _ = _fetch_all(tiers, p)
         good = 3 if kind == "ram" else 2  # blocks before the bad object
@@ -192,40 +204,6 @@ def test_every_corruption_is_detected_deleted_and_never_served(kind, tmp_path, r
         t.store.delete([object_key(tiers.key_prefix, h) for h in p.chain])
         tiers.close()
     assert len(detected) == 5
-
-
-def _ram_corruptions(tiers, t, p, other):
-    key, key_b = object_key(tiers.key_prefix, p.chain[3]), object_key(tiers.key_prefix, p.chain[4])
-    store = t.store
-
-    def put(k, v):
-        store.delete([k])
-        store.put_many([(k, v)])
-
-    def flip():
-        v = bytearray(store.get_many([key])[0])
-        v[-7] ^= 0x01
-        put(key, bytes(v))
-
-    def swap():
-        a, b = store.get_many([key, key_b])
-        put(key, b)
-        put(key_b, a)
-
-    def wrong_tokens():
-        from ctxwarden.kv.tiers.value import NO_KEY, ObjectHeader, block_sum, encode_object, merkle_root
-        s = block_sum(p.pages[3])
-        h = ObjectHeader(p.root, p.chain[3], p.chain[2], merkle_root([s]), NO_KEY, 3, 1, (s,))
-        put(key, encode_object(h, BS, PAGE, [1] * BS, [p.pages[3]]))
-
-    def other_model():
-        other_tiers = _tiers([t.spec], weights="other")
-        put(key, other_tiers._ram_object(other.spills([3])[0]))
-        other_tiers.close()
-
-    return [("bit flip", flip, "checksum"), ("truncation", lambda: put(key, store.get_many([key])[0][:-1]), "truncated"),
-            ("swap", swap, "key"), ("wrong token ids", wrong_tokens, "tokens"),
-            ("another model", other_model, "namespace")]
 
 
 def test_objects_without_their_commit_record_are_not_served(redis_server):

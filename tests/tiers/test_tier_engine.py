@@ -12,6 +12,7 @@ import random
 import shutil
 
 import pytest
+from tier_faults import tmpfs
 from safetensors.torch import load_file, save_file
 
 from ctxwarden.llm import LLM
@@ -43,6 +44,14 @@ def _run(llm, prompt):
                  for t in out.logprobs]
 
 
+def _store(model_dir, tiers, seed):
+    """One engine computes the prompt, its stores reach the tier, and it shuts down."""
+    writer = _llm(model_dir, tiers)
+    _run(writer, _prompt(seed))
+    assert writer.engine.tiers.flush(10)
+    writer.engine.close()
+
+
 def _tier(llm, name):
     return next(t for t in llm.engine.stats().tiers if t.tier == name)
 
@@ -71,10 +80,7 @@ def test_outputs_are_identical_from_pool_ram_disk_redis_and_cold(tiny_dir, tmp_p
     shared = {"disk": f"disk:{tmp_path}:64MiB?{SMALL_OBJECTS}", "redis": f"{redis_server.url}?{SMALL_OBJECTS}"}
     outputs = {"cold": cold[0], "computed": first_lp, "pool": again_lp, "ram": back_lp}
     for name, tiers in shared.items():
-        writer = _llm(tiny_dir, tiers)
-        _run(writer, prompt)
-        assert writer.engine.tiers.flush(10)
-        writer.engine.close()
+        _store(tiny_dir, tiers, 0)
         reader = _llm(tiny_dir, tiers)
         out, outputs[name] = _run(reader, prompt)
         assert out.num_cached_tokens == HIT_TOKENS and _tier(reader, name).num_hit_blocks == HIT_TOKENS // BS
@@ -97,10 +103,7 @@ def _perturbed_copy(src, dst):
 
 def test_a_changed_model_dtype_or_block_size_never_hits(tiny_dir, tmp_path, redis_server):
     tiers = f"{redis_server.url}?{SMALL_OBJECTS}"
-    writer = _llm(tiny_dir, tiers)
-    _run(writer, _prompt(0))
-    assert writer.engine.tiers.flush(10)
-    writer.engine.close()
+    _store(tiny_dir, tiers, 0)
     perturbed = _perturbed_copy(tiny_dir, tmp_path / tiny_dir.name)
     variants = {"perturbed weights": (perturbed, {}), "bf16": (tiny_dir, {"dtype": "bf16"}),
                 "block size 32": (tiny_dir, {"block_size": 32})}
@@ -118,10 +121,7 @@ def test_a_changed_model_dtype_or_block_size_never_hits(tiny_dir, tmp_path, redi
 
 def test_a_hole_in_the_chain_is_used_up_to_the_hole_and_output_stays_equal(tiny_dir, redis_server, cold):
     tiers = f"{redis_server.url}?{SMALL_OBJECTS}"
-    writer = _llm(tiny_dir, tiers)
-    _run(writer, _prompt(1))
-    assert writer.engine.tiers.flush(10)
-    writer.engine.close()
+    _store(tiny_dir, tiers, 1)
     client = redis_server.client()
     objects = sorted(k for k in client.keys("*:o:*"))
     assert len(objects) == -(-(PROMPT_TOKENS + 7) // BS // 4)  # prompt + outputs, 4 blocks an object
@@ -147,10 +147,7 @@ def _object_holding_block(llm, client, prompt, block):
 
 def test_a_corrupted_value_is_detected_and_recomputed_end_to_end(tiny_dir, redis_server, cold):
     tiers = f"{redis_server.url}?{SMALL_OBJECTS}"
-    writer = _llm(tiny_dir, tiers)
-    _run(writer, _prompt(2))
-    assert writer.engine.tiers.flush(10)
-    writer.engine.close()
+    _store(tiny_dir, tiers, 2)
     reader = _llm(tiny_dir, tiers)
     client = redis_server.client()
     key = _object_holding_block(reader, client, _prompt(2), block=8)
@@ -169,14 +166,7 @@ def test_a_corrupted_value_is_detected_and_recomputed_end_to_end(tiny_dir, redis
 
 
 def test_a_full_disk_never_reaches_a_request(tiny_dir, tmp_path, cold):
-    import subprocess
-
-    mount = tmp_path / "full"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.fail(f"cannot mount a tmpfs ({done.stderr.decode().strip()}); run the tests as root")
-    try:
+    with tmpfs(tmp_path / "full", "256k") as mount:
         llm = _llm(tiny_dir, f"disk:{mount}:64MiB?{SMALL_OBJECTS}")  # the cap is far above the disk
         for seed in (0, 1, 2, 3):  # about 330 KB of KV each: the disk fills during the first
             out, lp = _run(llm, _prompt(seed))
@@ -187,8 +177,6 @@ def test_a_full_disk_never_reaches_a_request(tiny_dir, tmp_path, cold):
         assert stats.num_dropped_stores >= 3  # the later prompts' stores, dropped at once
         assert not any(".tmp." in p.name for p in mount.glob("*/*"))
         llm.engine.close()
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_swap_preemption_keeps_pages_in_the_ram_tier_store(tiny_dir):

@@ -9,6 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from tier_faults import tmpfs
 
 from ctxwarden.kv.tiers.breaker import CircuitBreaker
 from ctxwarden.kv.tiers.stores import DiskStore, RamStore, RedisStore, TierUnavailable
@@ -70,16 +71,9 @@ def test_a_write_killed_midway_leaves_no_partial_object(tmp_path):
 
 @pytest.fixture
 def small_tmpfs(tmp_path):
-    """A real 1 MiB tmpfs (root can mount one; CI runs as root)."""
-    mount = tmp_path / "full"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.fail(f"cannot mount a tmpfs to fill ({done.stderr.decode().strip()}); run the tests as root")
-    try:
+    """A real 1 MiB tmpfs."""
+    with tmpfs(tmp_path / "full", "1m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_a_full_disk_drops_the_write_and_raises_tier_unavailable(small_tmpfs):

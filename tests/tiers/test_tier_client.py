@@ -268,3 +268,23 @@ def test_redis_hung_costs_at_most_the_breaker_threshold_of_timeouts(redis_server
         assert _fetch_all(tiers, p)[0] == p.pages
     finally:
         tiers.close()
+
+
+def test_a_long_store_is_queued_in_parts_of_whole_objects(redis_server):
+    from ctxwarden.kv.tiers.client import split_job
+
+    p = Prompt(_tokens(4 * 23, seed=6))  # 23 blocks of 256 bytes
+    parts = split_job(p.job(5, 23), blocks_per_object=2, max_bytes=4 * 256 + 100)  # 4 blocks a part
+    assert [(j.first_block, len(j.chain)) for j in parts] == [(5, 8), (8, 12), (12, 16), (16, 20), (20, 23)]
+    assert [bytes(x) for j in parts for x in j.pages] == p.pages[5:23]
+    tiers = _tiers([TierSpec("redis", url=redis_server.url, object_bytes=G_BYTES,
+                             max_queue_bytes=4 * (4 * 256 + 100))])
+    try:
+        tiers.store(p.job())  # 23 pages in 6 parts; at least 4 fit the queue at once
+        assert tiers.flush(10)
+        stats = tiers.stats()[0]
+        assert stats.num_stores >= 4 and stats.num_stores + stats.num_dropped_stores == 6
+        got = _fetch_all(tiers, p)[0]
+        assert len(got) >= 16 and got == p.pages[:len(got)]  # whole parts, from the start
+    finally:
+        tiers.close()

@@ -319,14 +319,18 @@ class KVTiers:
         return t.store if t is not None else None
 
     def store(self, job: StoreJob) -> None:
-        """Hand computed blocks to every write-through tier (disk, Redis); never blocks."""
+        """Hand computed blocks to every write-through tier (disk, Redis); never blocks.
+
+        A long sequence is cut into stores of at most a quarter of the tier's queue budget
+        (whole objects each, each with its own commit record), so one 8K-token prompt is
+        queued in parts instead of being dropped whole.
+        """
         for t in self.tiers:
             if t.writer is None:
                 continue
-            if not t.write_breaker.allow():
-                t.counters.add(num_dropped_stores=1)
-            elif not t.writer.submit(job):
-                t.counters.add(num_dropped_stores=1)
+            for part in split_job(job, t.blocks_per_object, t.spec.max_queue_bytes // 4):
+                if not t.write_breaker.allow() or not t.writer.submit(part):
+                    t.counters.add(num_dropped_stores=1)
 
     def _write(self, t: _Tier, job: StoreJob) -> None:
         """On the tier's writer thread: encode the job's objects, write the new ones, then the manifest."""
@@ -398,6 +402,22 @@ class KVTiers:
             if isinstance(t.store, RedisStore):
                 t.store.close()
                 t.write_store.close()
+
+
+def split_job(job: StoreJob, blocks_per_object: int, max_bytes: int) -> list[StoreJob]:
+    """`job` cut at multiples of a whole number of objects holding at most `max_bytes`."""
+    if not job.pages:
+        return []
+    page_bytes = len(job.pages[0])
+    step = max(1, max_bytes // page_bytes // blocks_per_object) * blocks_per_object
+    end, bs = len(job.chain), len(job.token_ids) // len(job.chain)
+    cuts = list(range((job.first_block // step + 1) * step, end, step)) + [end]
+    parts, first = [], job.first_block
+    for cut in cuts:
+        parts.append(StoreJob(job.root, job.chain[:cut], job.token_ids[:cut * bs], first,
+                              job.pages[first - job.first_block:cut - job.first_block]))
+        first = cut
+    return parts
 
 
 def _path(present: Sequence[bool], start: int, end: int, g: int) -> list[tuple[int, int]]:

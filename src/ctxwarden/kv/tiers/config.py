@@ -35,7 +35,7 @@ class TierSpec:
     timeout_ms: int = 250
     batch_objects: int = 8  # objects per pipelined round trip
     probe_interval_ms: int = 500
-    max_queue_bytes: int = 256 * 1024 * 1024  # pending asynchronous stores; past it they are dropped
+    max_queue_bytes: int = 1024**3  # pending asynchronous stores (host memory); past it they are dropped
 
     def __post_init__(self):
         if self.kind not in TIER_KINDS:

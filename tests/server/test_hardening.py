@@ -232,3 +232,23 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 60.0) -> No
             pass
         time.sleep(0.1)
     raise AssertionError("the server did not become ready")
+
+
+def test_debug_needs_an_admin_key_and_prompts_stay_out_of_logs(serve, tiny_dir, tmp_path, caplog):
+    keys = tmp_path / "keys.txt"
+    keys.write_text("key-a tenant-a\nkey-ops ops role=admin\n")
+    keys.chmod(0o600)
+    with serve(ServerConfig.build(model=str(tiny_dir), kv_memory="8MiB", api_keys=str(keys))) as s:
+        assert httpx.get(s.url + "/debug/engines", headers=HEADERS_A, timeout=10).status_code == 403
+        r = httpx.get(s.url + "/debug/engines", headers={"Authorization": "Bearer key-ops"}, timeout=10)
+        assert r.status_code == 200 and r.json()["phase"] == "ready"
+        (engine,) = r.json()["engines"].values()
+        assert engine["failure"] is None and engine["stats"]["kv"]["num_blocks_total"] > 0
+        with caplog.at_level("DEBUG"):
+            body = {"model": s.engines[0].name, "max_tokens": 2,
+                    "messages": [{"role": "user", "content": "zebra-marker-7781 is secret"}]}
+            assert httpx.post(s.url + "/v1/chat/completions", json=body, headers=HEADERS_A,
+                              timeout=30).status_code == 200
+            bad = {**body, "max_tokens": 10**7}  # refused: the error path logs nothing of the prompt
+            assert httpx.post(s.url + "/v1/chat/completions", json=bad, headers=HEADERS_A, timeout=30).status_code == 400
+        assert caplog.records and "zebra-marker-7781" not in caplog.text

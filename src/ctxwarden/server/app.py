@@ -11,11 +11,12 @@ meanwhile); `create_app(config, engines=[...])` serves engines built by the call
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import Response
@@ -186,7 +187,20 @@ def create_app(config: ServerConfig, engines: list[AsyncEngine] | None = None) -
             raise APIError(401, msg, "invalid_request_error", code="invalid_api_key")
         return tenant
 
+    async def admin_of(request: Request, tenant: Tenant = Depends(tenant_of)) -> Tenant:
+        """The /debug endpoints: an admin key (role=admin in the key file); without a key
+        file, callers on loopback only."""
+        if tenants.requires_key and not tenant.is_admin:
+            raise APIError(403, "This endpoint needs an admin key (role=admin in the --api-keys file).",
+                           "permission_error", code="admin_required")
+        if not tenants.requires_key and not _is_loopback(request.client.host if request.client else ""):
+            raise APIError(403, "Without --api-keys, /debug answers only on loopback.", "permission_error",
+                           code="admin_required")
+        return tenant
+
+    app.state.admin_of = admin_of  # for the diagnostics routes
     _add_info_routes(app, state, metrics, tenant_of)
+    _add_debug_routes(app, state, admin_of)
     _add_completion_routes(app, _Serving(state, metrics, limiter), tenant_of)
     return app
 
@@ -209,6 +223,21 @@ def _add_info_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics, t
         """Prometheus text, from the snapshot each engine publishes (never waits on a step)."""
         snapshots = {e.name: e.stats for e in state.engines}
         return Response(metrics.render(snapshots), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _add_debug_routes(app: FastAPI, state: ServerState, admin_of) -> None:
+    @app.get("/debug/engines", responses={403: {"model": ErrorResponse}})
+    async def debug_engines(tenant: Tenant = Depends(admin_of)) -> dict:
+        """Every engine's latest published stats, whole (admin only)."""
+        return {"phase": state.phase, "failure": state.failure,
+                "engines": {e.name: {"failure": e.failure, "stats": asdict(e.stats)} for e in state.engines}}
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host in ("localhost", "testclient")
 
 
 def _add_completion_routes(app: FastAPI, serving: "_Serving", tenant_of) -> None:

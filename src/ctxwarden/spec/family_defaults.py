@@ -59,7 +59,7 @@ _GEMMA3_TEXT = {**_GEMMA2_ON, "vocab_size": 262_208, "max_position_embeddings": 
                 "sliding_window_pattern": 6, "final_logit_softcapping": None,
                 "attn_logit_softcapping": None}
 
-FAMILY_DEFAULTS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
+_ROWS: dict[str, dict[str, Any]] = {
     "llama": _LLAMA,
     # Not a transformers model_type (SmolLM and SmolLM2 publish "llama"): read as llama.
     "smollm": _LLAMA,
@@ -90,7 +90,9 @@ FAMILY_DEFAULTS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
                     "max_position_embeddings": 4096, "first_k_dense_replace": 3,
                     "n_routed_experts": 256, "n_shared_experts": 1,
                     "moe_intermediate_size": 2048, "num_experts_per_tok": 8},
-})
+}
+FAMILY_DEFAULTS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
+    {family: MappingProxyType(row) for family, row in _ROWS.items()})
 
 # Configs of other families that list their own `layer_types`: no class to follow, so only
 # the fallbacks ctxwarden has always used; every other field is required.
@@ -147,7 +149,10 @@ def default_head_dim(family: str, get: Getter, hidden: int, heads: int) -> int |
 
 
 def default_layer_types(family: str, get: Getter, num_layers: int) -> tuple[str, ...]:
-    """Each layer's attention kind by the family's own rule (the config lists none)."""
+    """Each layer's attention kind by the family's own rule (the config lists none).
+
+    Raises ValueError when the fields the rule reads disagree with each other.
+    """
     if family == "gemma2":
         return tuple(SLIDING if (i + 1) % 2 else FULL for i in range(num_layers))
     if family in ("gemma3", "gemma3_text"):
@@ -173,6 +178,8 @@ def _smollm3_layer_types(get: Getter, num_layers: int) -> tuple[str, ...]:
     if no_rope is None:
         interval = get("no_rope_layer_interval", int)
         no_rope = [int((i + 1) % interval != 0) for i in range(num_layers)]
+    if len(no_rope) != num_layers:
+        raise ValueError(f"no_rope_layers has {len(no_rope)} entries, num_hidden_layers is {num_layers}")
     return tuple(SLIDING if not no_rope[i] else FULL for i in range(num_layers))
 
 

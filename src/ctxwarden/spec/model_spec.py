@@ -331,7 +331,12 @@ def _layer_types(r: _Reader, num_layers: int) -> tuple[str, ...]:
     """Each layer's attention kind: as listed, else by the family's own rule."""
     explicit = r.raw.get("layer_types")
     if explicit is None:
-        return default_layer_types(r.family, r.get, num_layers)
+        try:
+            return default_layer_types(r.family, r.get, num_layers)
+        except ConfigError:  # a field the rule read, already named
+            raise
+        except ValueError as e:  # only SmolLM3's no_rope_layers can disagree with the count
+            raise ConfigError(r.source, "no_rope_layers", str(e)) from None
     if not isinstance(explicit, list) or any(t not in (FULL, SLIDING) for t in explicit):
         raise ConfigError(
             r.source, "layer_types", f"entries must be '{FULL}' or '{SLIDING}', got {explicit!r}"

@@ -29,7 +29,12 @@ _FLAGS = {
     "swap_space_bytes": ("--swap-space", "host memory for swapped-out KV, e.g. 4GiB"),
     "window_tokens": ("--window-tokens", "sink (streaming) mode: the rolling attention window"),
     "sink_tokens": ("--sink-tokens", "sink mode: tokens kept at the start (needs --window-tokens)"),
+    "max_queue_delay_s": ("--max-queue-delay", "seconds: refuse (429 + Retry-After) a request whose "
+                          "predicted time to first token is longer"),
+    "contended_prefill_tokens": ("--contended-prefill-tokens", "prefill tokens per step of a tenant "
+                                 "while a less-served tenant decodes (default: one decode step's worth)"),
 }
+_FLOATS = ("max_queue_delay_s",)
 _CHOICES = {"dtype": ACTIVATION_DTYPES + ("float32", "bfloat16", "float16"),
             "kv_dtype": RUNNER_KV_DTYPES + ("float32", "bfloat16", "float16"),
             "preemption_mode": PREEMPTION_MODES}
@@ -51,6 +56,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, **default_overrides) -> Non
             kwargs.update(action=argparse.BooleanOptionalAction)  # it states its default
         elif f.name in _CHOICES:
             kwargs["choices"] = _CHOICES[f.name]
+        elif f.name in _FLOATS:
+            kwargs.update(type=float, metavar="S")
         elif f.name != "model":
             kwargs.update(type=int, metavar="N")
         else:

@@ -189,7 +189,7 @@ def parse_model_config(raw: Mapping[str, Any], source: str = "<config>") -> Mode
     """
     r = _reader(raw, source)
     num_layers = r.get("num_hidden_layers", int)
-    hidden, heads = r.get("hidden_size", int), r.get("num_attention_heads", int)
+    hidden, heads = r.get("hidden_size", int), _at_least_one(r, "num_attention_heads")
     layer_types = _layer_types(r, num_layers)
     rope, rope_local = _rope(r)
     return ModelSpec(
@@ -313,9 +313,17 @@ def _family(model_type: str, raw: Mapping[str, Any], source: str) -> str:
     )
 
 
+def _at_least_one(r: _Reader, name: str) -> int:
+    value = r.get(name, int)
+    if value < 1:  # a divisor of the shapes below
+        raise ConfigError(r.source, name, f"must be >= 1, got {value}")
+    return value
+
+
 def _kv_heads(r: _Reader, heads: int) -> int:
-    kv_heads = r.get("num_key_value_heads", int)
-    return r.derived("num_key_value_heads", heads) if kv_heads is None else kv_heads
+    if r.get("num_key_value_heads", int) is None:
+        return r.derived("num_key_value_heads", heads)
+    return _at_least_one(r, "num_key_value_heads")
 
 
 def _head_dim(r: _Reader, hidden: int, heads: int) -> int:

@@ -74,33 +74,40 @@ async def _three_short(url, model) -> float:
     return sorted(await asyncio.gather(*(one(k) for k in range(3))))[1]
 
 
-def test_a_short_request_is_served_fairly_during_another_tenants_flood(serve, compute_dir, two_tenant_keys):
+def test_a_short_request_is_served_fairly_during_another_tenants_flood(compute_dir, two_tenant_keys, free_port):
     """B's short request during A's flood of long prompts finishes within 3x its unloaded
     latency plus one full engine step (FCFS would queue it behind all of A's prefill: 12+
-    prompts of 1,500 tokens). B sends 3 at once and the median counts, as the cores are shared."""
-    with serve(ServerConfig.build(model=str(compute_dir), kv_memory="256MiB", api_keys=str(two_tenant_keys),
-                                  max_batched_tokens=2048)) as s:
-        model = s.engines[0].name
-        _complete(s.url, model, _ids(64, 99), 4, HEADERS_B)  # warm-up
-        full_step_s = _timed(_complete, s.url, model, _ids(2048, 98), 1, HEADERS_B)
-        unloaded_s = asyncio.run(_three_short(s.url, model))
+    prompts of 1,500 tokens). B sends 3 at once and the median counts; the unloaded figures
+    are the worse of before and after the flood, as the cores are shared. The server runs in
+    its own process so the client's timing does not share its interpreter."""
+    with _server_process(compute_dir, free_port(), "--api-keys", str(two_tenant_keys), "--kv-memory", "256MiB",
+                         "--max-batched-tokens", "2048") as url:
+        model = httpx.get(url + "/v1/models", headers=HEADERS_B, timeout=10).json()["data"][0]["id"]
+        _complete(url, model, _ids(64, 99), 4, HEADERS_B)  # warm-up
+        full_step_s = _timed(_complete, url, model, _ids(2048, 98), 1, HEADERS_B)
+        unloaded_s = asyncio.run(_three_short(url, model))
 
         async def scenario():
             started = asyncio.Event()
-            flood = asyncio.ensure_future(_flood(s.url, model, 24, 1500, started))
+            flood = asyncio.ensure_future(_flood(url, model, 24, 1500, started))
             await started.wait()
-            deadline = time.monotonic() + 30
-            while s.engines[0].stats.num_waiting < 12 and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)  # until A's queue is long: 12+ prompts of 1,500 tokens
-            waiting = s.engines[0].stats.num_waiting
-            loaded = await _three_short(s.url, model)
+            deadline = time.monotonic() + 60
+            while _metric(url, "ctxwarden_requests_waiting") < 12 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)  # until A's queue is long: 12+ prompts of 1,500 tokens
+            waiting = _metric(url, "ctxwarden_requests_waiting")
+            loaded = await _three_short(url, model)
             flood.cancel()
             return loaded, waiting
 
         loaded_s, num_waiting = asyncio.run(scenario())
         assert num_waiting >= 12, "A's flood was not queued when B was measured: the test proves nothing"
+        deadline = time.monotonic() + 60
+        while _metric(url, "ctxwarden_kv_blocks_in_use") and time.monotonic() < deadline:
+            time.sleep(0.1)  # A's abandoned flood is aborted and frees everything
+        assert _metric(url, "ctxwarden_kv_blocks_in_use") == 0
+        unloaded_s = max(unloaded_s, asyncio.run(_three_short(url, model)))
+        full_step_s = max(full_step_s, _timed(_complete, url, model, _ids(2048, 95), 1, HEADERS_B))
         assert loaded_s <= 3 * unloaded_s + full_step_s, (loaded_s, unloaded_s, full_step_s)
-        assert s.wait_metric("ctxwarden_kv_blocks_in_use", 0, timeout_s=30) == 0  # A's abandoned flood
 
 
 def test_an_abandoned_non_streaming_request_is_aborted_within_a_step(serve, compute_dir):
@@ -121,15 +128,17 @@ def test_an_abandoned_non_streaming_request_is_aborted_within_a_step(serve, comp
         assert s.metric("ctxwarden_requests_abandoned_total") == 1
 
 
-def test_metrics_answer_fast_during_a_long_prefill(serve, compute_dir):
-    with serve(ServerConfig.build(model=str(compute_dir), kv_memory="512MiB", max_batched_tokens=8192)) as s:
-        model = s.engines[0].name
+def test_metrics_answer_fast_during_a_long_prefill(compute_dir, free_port):
+    """During one 8,000-token step /metrics answers from the published snapshot: the median
+    probe under 100 ms (it used to wait for the step: seconds), none over a second."""
+    with _server_process(compute_dir, free_port(), "--kv-memory", "512MiB", "--max-batched-tokens", "8192") as url:
+        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
 
         async def scenario():
-            long = asyncio.ensure_future(asyncio.to_thread(_complete, s.url, model, _ids(8000, 3), 2, {}))
+            long = asyncio.ensure_future(asyncio.to_thread(_complete, url, model, _ids(8000, 3), 2, {}))
             await asyncio.sleep(0.5)  # the 8,000-token step is running now
             times = []
-            async with httpx.AsyncClient(base_url=s.url, timeout=10) as client:
+            async with httpx.AsyncClient(base_url=url, timeout=10) as client:
                 while not long.done() and len(times) < 20:
                     t = time.monotonic()
                     r = await client.get("/metrics")
@@ -141,7 +150,7 @@ def test_metrics_answer_fast_during_a_long_prefill(serve, compute_dir):
 
         times = asyncio.run(scenario())
         assert len(times) >= 5, "the prefill ended before /metrics was probed: make it longer"
-        assert max(times) < 0.1, times
+        assert sorted(times)[len(times) // 2] < 0.1 and max(times) < 1.0, times
 
 
 def test_a_tenant_over_its_own_limits_gets_429_while_the_other_is_served(serve, compute_dir, tmp_path):
@@ -161,7 +170,9 @@ def test_a_tenant_over_its_own_limits_gets_429_while_the_other_is_served(serve, 
                         "/v1/completions", json={**body, "prompt": _ids(400, i), "max_tokens": max_tokens},
                         headers=HEADERS_A))
                 a = [post_a(0, max_tokens=400)]  # long enough to still run when the burst comes
-                await asyncio.sleep(0.5)  # a0 runs (max_running=1) ...
+                deadline = time.monotonic() + 30
+                while s.engines[0].stats.num_running < 1 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.02)  # a0 runs (max_running=1) ...
                 a += [post_a(i) for i in range(1, 4)]  # ... a1 waits (max_queued=1), a2 and a3 are refused
                 await asyncio.sleep(0.3)
                 b = await client.post("/v1/completions", json={**body, "prompt": _ids(50, 9)}, headers=HEADERS_B)
@@ -173,6 +184,41 @@ def test_a_tenant_over_its_own_limits_gets_429_while_the_other_is_served(serve, 
         refused = next(r for r in a_replies if r.status_code == 429)
         assert refused.json()["error"]["code"] == "tenant_limit_exceeded" and "retry-after" in refused.headers
         assert b_reply.status_code == 200
+
+
+def _metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} is not on /metrics")
+
+
+class _server_process:  # noqa: N801 - used as a context manager, like a function
+    """`ctxwarden serve` in its own process on a free loopback port, for timing tests."""
+
+    def __init__(self, model_dir, port: int, *args: str):
+        self.url = f"http://127.0.0.1:{port}"
+        src = str(Path(__file__).resolve().parents[2] / "src")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+        self.proc = subprocess.Popen([sys.executable, "-m", "ctxwarden", "serve", "--model", str(model_dir),
+                                      "--port", str(port), "--log-level", "warning", *args],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+
+    def __enter__(self) -> str:
+        try:
+            _wait_ready(self.url, self.proc)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self.url
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 FAULTY_SERVE = """

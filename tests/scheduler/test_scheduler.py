@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from ctxwarden.spec.model_spec import load_model_config
-from ctxwarden.errors import ContextLengthExceeded, KVCapacityExceeded, QueueFull
+from ctxwarden.errors import (ContextLengthExceeded, KVCapacityExceeded, QueueDelayExceeded, QueueFull,
+                              TenantLimitExceeded)
 from ctxwarden.kv import BlockTables, KVCacheManager
 from ctxwarden.plan import kv_layout
-from ctxwarden.request import FinishReason, Request, RequestStatus
+from ctxwarden.request import FinishReason, Request, RequestStatus, TenantShare
 from ctxwarden.sampling import SamplingParams
 from ctxwarden.scheduler import PreemptionCost, Scheduler, SchedulerConfig
 from pathlib import Path
@@ -173,3 +176,96 @@ def test_sliding_window_layouts_always_recompute():
                   PreemptionCost(2.7e8, 46_080))
     tables = BlockTables.of([[0, 1]])
     assert s._preemption_mode(_req("x", 32), tables) == "recompute"
+
+
+# --- fair sharing between tenants --------------------------------------------------------------
+
+def _tenant_req(rid, ns, n_prompt, arrival, max_tokens=8, **share):
+    r = _req(rid, n_prompt, max_tokens=max_tokens, arrival=arrival)
+    r.namespace, r.share = ns, TenantShare(ns, **share)
+    r.prompt_token_ids = [hash((rid, i)) % 30000 + 100 for i in range(n_prompt)]  # no shared prefix
+    return r
+
+
+def test_a_late_short_request_of_another_tenant_goes_before_the_flood():
+    s = _scheduler(num_blocks=400, max_batched_tokens=512)
+    flood = [_tenant_req(f"a{i}", "A", 500, arrival=float(i)) for i in range(6)]
+    for r in flood:
+        s.add(r)
+    out = _step(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a0", 500), ("a1", 12)]
+    b = _tenant_req("b0", "B", 8, arrival=100.0)
+    s.add(b)
+    out = _step(s)
+    # a0 decodes; a1's prefill yields to B (capped at 512 // 16 = 32 before anything is
+    # measured); B's whole prompt runs and is sampled; A's queue waits for the next step
+    assert [(x.request.request_id, x.num_new_tokens, x.is_sampled) for x in out.scheduled] == [
+        ("a0", 1, True), ("a1", 32, False), ("b0", 8, True)]
+
+
+def test_while_a_less_served_tenant_decodes_a_served_tenants_prefill_is_capped():
+    s = _scheduler(num_blocks=400, max_batched_tokens=512, contended_prefill_tokens=32)
+    for i in range(3):
+        s.add(_tenant_req(f"a{i}", "A", 500, arrival=float(i), max_tokens=100))
+    _step(s)
+    s.add(_tenant_req("b0", "B", 8, arrival=100.0))
+    _step(s)  # b0's prompt runs (and is sampled): from now on b0 decodes
+    out = _step(s)
+    by_id = {x.request.request_id: x for x in out.scheduled}
+    assert by_id["b0"].is_decode and by_id["b0"].num_new_tokens == 1
+    prefill = [x for x in out.scheduled if not x.is_decode]
+    assert prefill and all(x.num_new_tokens <= 32 for x in prefill)
+    assert sum(x.num_new_tokens for x in prefill) <= 32  # one cap for all of A's prefill
+
+
+def test_a_tenant_alone_keeps_the_whole_budget():
+    s = _scheduler(num_blocks=400, max_batched_tokens=512, contended_prefill_tokens=32)
+    for i in range(3):
+        s.add(_tenant_req(f"a{i}", "A", 500, arrival=float(i), max_tokens=100))
+    _step(s)
+    out = _step(s)  # a0 decodes, a1 and a2 prefill: one tenant, no cap
+    assert out.num_batched_tokens == 512
+
+
+def test_a_tenant_at_its_running_cap_waits_without_holding_others_up():
+    s = _scheduler(num_blocks=400, max_batched_tokens=2048)
+    for i in range(3):
+        s.add(_tenant_req(f"a{i}", "A", 40, arrival=float(i), max_running=1))
+    s.add(_tenant_req("b0", "B", 40, arrival=10.0))
+    out = _step(s)
+    assert sorted(x.request.request_id for x in out.scheduled) == ["a0", "b0"]
+    assert s.stats().num_running == 2 and s.stats().num_waiting == 2
+
+
+def test_a_tenant_over_its_queue_cap_is_refused_and_the_other_is_not():
+    s = _scheduler(num_blocks=400)
+    s.add(_tenant_req("a0", "A", 40, arrival=0.0, max_waiting=1))
+    with pytest.raises(TenantLimitExceeded, match="'A' is over its limit of 1 queued requests"):
+        s.add(_tenant_req("a1", "A", 40, arrival=1.0, max_waiting=1))
+    s.add(_tenant_req("b0", "B", 40, arrival=2.0, max_waiting=1))
+    assert [r.request_id for r in s.waiting] == ["a0", "b0"]
+
+
+def test_a_request_predicted_to_wait_too_long_is_refused_with_a_retry_time():
+    s = _scheduler(num_blocks=4000, max_queue_delay_s=2.0)
+    s.add(_tenant_req("a0", "A", 3000, arrival=0.0, max_tokens=4))  # nothing measured: no refusal
+    s.rates.prefill_tokens_per_s = 1000.0
+    with pytest.raises(QueueDelayExceeded) as e:
+        s.add(_tenant_req("a1", "A", 500, arrival=1.0, max_tokens=4))  # 3,500 tokens of A first
+    assert e.value.predicted_s == pytest.approx(3.5) and e.value.retry_after_s == pytest.approx(1.5)
+    # another tenant shares fairly: 500 of its own + at most 500 of A's before its first token
+    b = _tenant_req("b0", "B", 500, arrival=2.0, max_tokens=4)
+    s.add(b)
+    assert s.fair.predicted_wait_tokens("B", 1.0, 500, {"A": (3000, 1.0)}) == 1000
+
+
+def test_step_rates_split_a_mixed_step_between_prefill_and_decodes():
+    from ctxwarden.scheduler.fairness import StepRates
+
+    rates, rng = StepRates(), random.Random(0)
+    for _ in range(200):
+        tokens, decodes = rng.choice((0, 16, 512, 2048)), rng.randint(0, 12)
+        rates.observe(tokens, decodes, 0.010 + tokens / 2000 + 0.002 * decodes)
+    assert rates.prefill_tokens_per_s == pytest.approx(2000, rel=1e-3)
+    assert rates.decode_step_s(5) == pytest.approx(0.010 + 0.002 * 5, rel=1e-3)
+    assert abs(rates.prefill_tokens_in(rates.decode_step_s(5)) - 40) <= 1  # the contended cap, 5 decodes

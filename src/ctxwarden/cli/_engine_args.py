@@ -29,11 +29,16 @@ _FLAGS = {
     "swap_space_bytes": ("--swap-space", "host memory for swapped-out KV, e.g. 4GiB"),
     "window_tokens": ("--window-tokens", "sink (streaming) mode: the rolling attention window"),
     "sink_tokens": ("--sink-tokens", "sink mode: tokens kept at the start (needs --window-tokens)"),
+    "max_queue_delay_s": ("--max-queue-delay", "seconds: refuse (429 + Retry-After) a request whose "
+                          "predicted time to first token is longer"),
+    "contended_prefill_tokens": ("--contended-prefill-tokens", "prefill tokens per step of a tenant "
+                                 "while a less-served tenant decodes (default: one decode step's worth)"),
     "kv_tiers": ("--kv-tiers", "KV tiers beyond the pool, e.g. ram:4GiB,disk:/path:20GiB,redis://127.0.0.1:6379 "
                  "(off unless named; see docs/kv-tiers.md)"),
     "kv_tier_fetch": ("--kv-tier-fetch", "auto: fetch from a tier only where the cost model says it beats "
                       "recomputing; always: fetch whatever a tier holds"),
 }
+_FLOATS = ("max_queue_delay_s",)
 _TEXT_FIELDS = {"model": "MODEL", "kv_tiers": "TIERS"}  # free text, not a number
 _CHOICES = {"dtype": ACTIVATION_DTYPES + ("float32", "bfloat16", "float16"),
             "kv_dtype": RUNNER_KV_DTYPES + ("float32", "bfloat16", "float16"),
@@ -56,6 +61,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, **default_overrides) -> Non
             kwargs.update(action=argparse.BooleanOptionalAction)  # it states its default
         elif f.name in _CHOICES:
             kwargs["choices"] = _CHOICES[f.name]
+        elif f.name in _FLOATS:
+            kwargs.update(type=float, metavar="S")
         elif f.name not in _TEXT_FIELDS:
             kwargs.update(type=int, metavar="N")
         else:

@@ -1,7 +1,9 @@
 """`ctxwarden serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn).
 
 SIGTERM (or Ctrl+C) drains: new requests get 503 + Retry-After, running ones finish (up
-to --drain-timeout), then the server exits 0. A second signal exits at once.
+to --drain-timeout), then the server exits 0. A second signal exits at once. If an engine
+dies, every request gets a 503 at once, /health turns 503, and the server exits 1 as soon
+as nothing is in flight, so a supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ctxwarden.cli._engine_args import add_engine_arguments
-    from ctxwarden.engine.config import SERVER_MAX_WAITING
+    from ctxwarden.engine.config import SERVER_MAX_QUEUE_DELAY_S, SERVER_MAX_WAITING
 
     p.add_argument("--fallback-model", default=None,
                    help="a larger-window model that serves prompts over --model's window (same engine options)")
@@ -32,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="413 past this request size")
     p.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to let requests finish on SIGTERM")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    add_engine_arguments(p, max_waiting=SERVER_MAX_WAITING)
+    add_engine_arguments(p, max_waiting=SERVER_MAX_WAITING, max_queue_delay_s=SERVER_MAX_QUEUE_DELAY_S)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,6 +53,9 @@ def run(args: argparse.Namespace) -> int:
                                            log_level=args.log_level, timeout_graceful_shutdown=5))
     server.state, server.drain_timeout_s = app.state.server, args.drain_timeout
     server.run()
+    if server.state.phase == "failed":
+        logging.getLogger("ctxwarden.server").critical("exiting with status 1: %s", server.state.failure)
+        return 1
     return 0
 
 
@@ -94,6 +99,9 @@ def _server_class():
             super().handle_exit(sig, frame)
 
         async def on_tick(self, counter: int) -> bool:
+            if self.state is not None and self.state.phase == "failed" and self.state.engines \
+                    and self.state.in_flight == 0:
+                self.should_exit = True  # a dead engine: every request has had its 503
             if self._drain_deadline is not None and not self.should_exit:
                 if self.state.in_flight == 0 or time.monotonic() > self._drain_deadline:
                     self.should_exit = True

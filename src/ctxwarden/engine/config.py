@@ -16,6 +16,7 @@ from ctxwarden.units import parse_bytes
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 TIER_FETCH_POLICIES = ("auto", "always")  # auto: the cost model; always: fetch whatever is found
 SERVER_MAX_WAITING = 256  # a server bounds its queue (429 past it); offline runs do not
+SERVER_MAX_QUEUE_DELAY_S = 120.0  # a server refuses what would wait longer; offline runs wait
 # What the torch runner can store today (the planner plans fp8 KV too).
 RUNNER_KV_DTYPES = ("fp32", "bf16", "fp16")
 
@@ -42,6 +43,8 @@ class EngineConfig:
     swap_space_bytes: int = 4 * 1024**3
     window_tokens: int | None = None  # sink (streaming) mode: the rolling window
     sink_tokens: int = 0  # sink mode: tokens kept at the start
+    max_queue_delay_s: float | None = None  # refuse requests predicted to wait longer (429)
+    contended_prefill_tokens: int | None = None  # None: about one decode step's worth, measured
     kv_tiers: TiersConfig | str | None = None  # 'ram:4GiB,disk:/path:20GiB,redis://host:6379'
     kv_tier_fetch: str = "auto"  # auto: fetch only where the cost model says it beats recompute
 
@@ -60,6 +63,10 @@ class EngineConfig:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
                              f"got {self.preemption_mode!r}")
+        if self.max_queue_delay_s is not None and not self.max_queue_delay_s > 0:
+            raise ValueError(f"max_queue_delay_s must be > 0 (or None: no limit), got {self.max_queue_delay_s}")
+        if self.contended_prefill_tokens is not None and self.contended_prefill_tokens < 1:
+            raise ValueError(f"contended_prefill_tokens must be >= 1, got {self.contended_prefill_tokens}")
         if self.swap_space_bytes < 0 or self.sink_tokens < 0:
             raise ValueError("swap_space_bytes and sink_tokens must be >= 0")
         if self.sink_tokens and not self.window_tokens:

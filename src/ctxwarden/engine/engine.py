@@ -29,7 +29,7 @@ from ctxwarden.errors import NoTokenizer
 from ctxwarden.kv import AuditReport, KVCacheManager, KVStats
 from ctxwarden.plan import kv_bytes_per_token, plan_memory
 from ctxwarden.plan.params import count_parameters
-from ctxwarden.request import FinishReason, Request, StepOutput
+from ctxwarden.request import FinishReason, Request, StepOutput, TenantShare
 from ctxwarden.runner.inputs import ForwardBatch
 from ctxwarden.runner.model_runner import ModelRunner, RunnerConfig
 from ctxwarden.sampling import SamplingParams
@@ -126,7 +126,9 @@ class Engine:
         return SchedulerConfig(max_num_seqs=c.max_num_seqs, max_batched_tokens=c.max_batched_tokens,
                                max_waiting=c.max_waiting, preemption_mode=c.preemption_mode,
                                swap_space_bytes=c.swap_space_bytes, max_model_len=self.max_model_len,
-                               is_unbounded_length=c.is_unbounded_length)
+                               is_unbounded_length=c.is_unbounded_length,
+                               max_queue_delay_s=c.max_queue_delay_s,
+                               contended_prefill_tokens=c.contended_prefill_tokens)
 
     @property
     def max_model_len(self) -> int:
@@ -153,8 +155,13 @@ class Engine:
         self.scheduler.check_admissible(num_prompt_tokens, max_tokens)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, namespace: str = "", priority: int = 0) -> Request:
-        """Queue a request; raises at once if it can never be served (nothing is queued)."""
+                    request_id: str | None = None, namespace: str = "", priority: int = 0,
+                    share: TenantShare | None = None) -> Request:
+        """Queue a request; raises at once if it can never be served (nothing is queued).
+
+        `namespace` is the tenant (it salts the prefix cache and keys fair sharing);
+        `share` is that tenant's weight and caps.
+        """
         params = params or SamplingParams()
         ids = self.encode(prompt)
         if not ids:
@@ -165,7 +172,7 @@ class Engine:
         # every prompt position must be computed to be scored, so such a request takes no
         # prefix-cache hit (vLLM skips the cache too); its blocks are still cached for others
         req = Request(request_id, ids, params, namespace=namespace, priority=priority,
-                      reads_prefix_cache=params.prompt_logprobs is None)
+                      reads_prefix_cache=params.prompt_logprobs is None, share=share or TenantShare())
         self.outputs.start(req)
         self.scheduler.add(req)
         self.requests[request_id] = req
@@ -202,6 +209,7 @@ class Engine:
                 self.mover.after_forward(work.scheduled)
         self._counters["steps"] += 1
         elapsed = time.perf_counter() - started
+        self.scheduler.observe_step(work, elapsed)
         self._last_tokens_per_s = work.num_batched_tokens / elapsed if elapsed > 0 else 0.0
         if not self.scheduler.has_work:
             self._last_audit = self.scheduler.audit()

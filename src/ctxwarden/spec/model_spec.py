@@ -11,6 +11,10 @@ What differs between the two transformers generations, and is normalised here:
 - dtype: 4.x `torch_dtype`, 5.x `dtype`.
 - Multimodal checkpoints nest the language model under `text_config`.
 
+Published files leave out what equals their transformers class's default (Gemma-3's
+`text_config` has no `vocab_size`, `rope_theta`, `sliding_window_pattern`, ...): such fields
+take the family default from `spec.family_defaults`, and `ModelSpec.defaulted` records them.
+
 Layer kinds are always explicit in the spec (`layer_types`), derived from each family's
 own rule when the config does not list them: the same rules transformers applies.
 """
@@ -24,9 +28,11 @@ from typing import Any, Mapping
 
 from ctxwarden.errors import ConfigError
 from ctxwarden.spec.dtypes import canonical_dtype
-
-FULL = "full_attention"
-SLIDING = "sliding_attention"
+from ctxwarden.spec.family_defaults import (
+    FULL, MULTIMODAL_DEFAULTS, MULTIMODAL_TEXT_TYPE, NULLABLE, SCALED_ROPE_TYPES, SLIDING,
+    activation_field, default_head_dim, default_layer_types, family_defaults,
+    normalise_activation, rope_type_alias, trained_positions,
+)
 
 # Families whose layout the planner and the runner understand.
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm", "smollm3")
@@ -105,6 +111,9 @@ class ModelSpec:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     moe: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    # Fields the config left out, with the value its family's transformers class gave them.
+    # Not compared: two files that spell out different defaults describe the same model.
+    defaulted: Mapping[str, Any] = field(default_factory=dict, compare=False)
     source: str = "<memory>"
 
     def __post_init__(self):
@@ -173,73 +182,92 @@ def load_model_config(path: str | Path) -> ModelSpec:
 
 
 def parse_model_config(raw: Mapping[str, Any], source: str = "<config>") -> ModelSpec:
-    """Parse a config dict as transformers 4.x or 5.x writes it into a ModelSpec."""
-    outer = raw
-    if isinstance(raw.get("text_config"), Mapping):
-        raw = {**raw["text_config"], **{k: v for k, v in outer.items() if k == "torch_dtype"}}
-    r = _Reader(raw, source)
-    model_type = r.req("model_type", str)
-    family = _family(model_type, raw, source)
-    num_layers = r.req("num_hidden_layers", int)
-    hidden = r.req("hidden_size", int)
-    heads = r.req("num_attention_heads", int)
-    kv_heads = r.opt("num_key_value_heads", int, heads) or heads
-    head_dim = r.opt("head_dim", int, None) or _default_head_dim(hidden, heads, source)
-    sliding_window = r.opt("sliding_window", int, None)
-    layer_types = _layer_types(r, family, num_layers, sliding_window)
-    if SLIDING not in layer_types:
-        sliding_window = None
-    rope, rope_local = _rope(r, family)
+    """Parse a config dict as transformers 4.x or 5.x writes it into a ModelSpec.
+
+    A field the file leaves out takes the value the family's transformers config class
+    gives it (`spec.family_defaults`); `ModelSpec.defaulted` lists those fields and values.
+    """
+    r = _reader(raw, source)
+    num_layers = r.get("num_hidden_layers", int)
+    hidden, heads = r.get("hidden_size", int), _at_least_one(r, "num_attention_heads")
+    layer_types = _layer_types(r, num_layers)
+    rope, rope_local = _rope(r)
     return ModelSpec(
-        model_type=model_type,
+        model_type=r.model_type,
         num_layers=num_layers,
         hidden_size=hidden,
         num_attention_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        intermediate_size=r.opt("intermediate_size", int, 4 * hidden),
-        vocab_size=r.req("vocab_size", int),
-        max_position_embeddings=r.opt("max_position_embeddings", int, 2048),
+        num_kv_heads=_kv_heads(r, heads),
+        head_dim=_head_dim(r, hidden, heads),
+        intermediate_size=r.get("intermediate_size", int),
+        vocab_size=r.get("vocab_size", int),
+        max_position_embeddings=r.get("max_position_embeddings", int),
         layer_types=layer_types,
-        sliding_window=sliding_window,
+        sliding_window=r.get("sliding_window", int) if SLIDING in layer_types else None,
         rope=rope,
         rope_local=rope_local,
-        mla=_mla(r) if family in MLA else None,
-        rms_norm_eps=float(r.opt("rms_norm_eps", (int, float), 1e-6)),
-        tie_word_embeddings=_tied(outer, raw, family),
-        attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
-        qk_norm=model_type == "qwen3",
-        hidden_act=str(raw.get("hidden_act") or raw.get("hidden_activation") or "silu"),
-        attn_logit_softcapping=r.opt("attn_logit_softcapping", (int, float), None),
-        final_logit_softcapping=r.opt("final_logit_softcapping", (int, float), None),
-        query_pre_attn_scalar=r.opt("query_pre_attn_scalar", (int, float), None),
-        dtype=str(outer.get("dtype") or outer.get("torch_dtype") or raw.get("dtype") or raw.get("torch_dtype") or "float32"),
-        bos_token_id=_first_int(raw.get("bos_token_id")),
-        eos_token_ids=_int_tuple(raw.get("eos_token_id")),
-        moe=_moe(raw),
+        mla=_mla(r) if r.family in MLA else None,
+        rms_norm_eps=float(r.get("rms_norm_eps", (int, float))),
+        tie_word_embeddings=_tied(r),
+        attention_bias=r.get("attention_bias", bool),
+        qk_norm=r.model_type == "qwen3",
+        hidden_act=normalise_activation(r.family, r.get(activation_field(r.family), str)),
+        attn_logit_softcapping=r.get("attn_logit_softcapping", (int, float)),
+        final_logit_softcapping=r.get("final_logit_softcapping", (int, float)),
+        query_pre_attn_scalar=r.get("query_pre_attn_scalar", (int, float), required=False),
+        dtype=_dtype(r),
+        bos_token_id=_first_int(r.raw.get("bos_token_id")),
+        eos_token_ids=_int_tuple(r.raw.get("eos_token_id")),
+        moe=_moe(r),
+        defaulted=dict(r.defaulted),
         source=source,
     )
 
 
 class _Reader:
-    """Typed field access that names the file and the field on every error."""
+    """Typed field access: the file's value, else the family default (noted), else an error.
 
-    def __init__(self, raw: Mapping[str, Any], source: str):
-        self.raw, self.source = raw, source
+    Every error names the file and the field. `defaulted` collects, in reading order, each
+    field the parser needed that the file left out, with the value used in its place.
+    """
 
-    def req(self, name: str, typ):
-        if name not in self.raw or self.raw[name] is None:
+    def __init__(self, raw: Mapping[str, Any], outer: Mapping[str, Any], source: str,
+                 model_type: str, family: str):
+        self.raw, self.outer, self.source = raw, outer, source
+        self.model_type, self.family = model_type, family
+        self.row = family_defaults(family)
+        self.defaulted: dict[str, Any] = {}
+
+    def get(self, name: str, typ, required: bool = True):
+        """The field as written; the family default when absent; None where None is allowed."""
+        if name not in self.raw:
+            return self._default(name, required)
+        value = self.raw[name]
+        if value is None:
+            if name in NULLABLE:
+                return None
+            hint = f" (the {self.family} default is {self.row[name]!r})" if name in self.row else ""
+            raise ConfigError(self.source, name, f"is null; give a value or leave it out{hint}")
+        return self._check(name, value, typ)
+
+    def derived(self, name: str, value):
+        """Note the value a rule computed for a field the file leaves out; returns it."""
+        if name not in self.raw:
+            self.defaulted[name] = value
+        return value
+
+    def _default(self, name: str, required: bool):
+        if name in self.row:
+            self.defaulted.setdefault(name, self.row[name])
+            return self.row[name]
+        if required and name not in NULLABLE:
             raise ConfigError(self.source, name, "is required but missing")
-        return self._check(name, self.raw[name], typ)
-
-    def opt(self, name: str, typ, default):
-        value = self.raw.get(name)
-        return default if value is None else self._check(name, value, typ)
+        return None
 
     def _check(self, name, value, typ):
-        if isinstance(value, bool) or not isinstance(value, typ):
+        if (typ is bool) != isinstance(value, bool) or not isinstance(value, typ):
             raise ConfigError(self.source, name, f"expected {_type_name(typ)}, got {value!r}")
-        if isinstance(value, (int, float)) and value < 0:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
             raise ConfigError(self.source, name, f"must not be negative, got {value!r}")
         return value
 
@@ -248,6 +276,28 @@ def _type_name(typ) -> str:
     if isinstance(typ, tuple):
         return " or ".join(t.__name__ for t in typ)
     return typ.__name__
+
+
+def _reader(raw: Mapping[str, Any], source: str) -> _Reader:
+    """Open the language model's fields: `text_config` for multimodal wrappers, else the top."""
+    text = raw.get("text_config")
+    if not isinstance(text, Mapping):
+        model_type = _model_type(raw, source)
+        return _Reader(raw, raw, source, model_type, _family(model_type, raw, source))
+    model_type = text.get("model_type") or MULTIMODAL_TEXT_TYPE.get(raw.get("model_type"))
+    if not isinstance(model_type, str):
+        raise ConfigError(source, "text_config.model_type", "is required but missing")
+    r = _Reader(text, raw, source, model_type, _family(model_type, text, source))
+    if "model_type" not in text:
+        r.defaulted["model_type"] = model_type
+    return r
+
+
+def _model_type(raw: Mapping[str, Any], source: str) -> str:
+    model_type = raw.get("model_type")
+    if not isinstance(model_type, str):
+        raise ConfigError(source, "model_type", f"is required (a string), got {model_type!r}")
+    return model_type
 
 
 def _family(model_type: str, raw: Mapping[str, Any], source: str) -> str:
@@ -263,104 +313,128 @@ def _family(model_type: str, raw: Mapping[str, Any], source: str) -> str:
     )
 
 
-def _default_head_dim(hidden: int, heads: int, source: str) -> int:
-    if hidden % heads:
+def _at_least_one(r: _Reader, name: str) -> int:
+    value = r.get(name, int)
+    if value < 1:  # a divisor of the shapes below
+        raise ConfigError(r.source, name, f"must be >= 1, got {value}")
+    return value
+
+
+def _kv_heads(r: _Reader, heads: int) -> int:
+    if r.get("num_key_value_heads", int) is None:
+        return r.derived("num_key_value_heads", heads)
+    return _at_least_one(r, "num_key_value_heads")
+
+
+def _head_dim(r: _Reader, hidden: int, heads: int) -> int:
+    head_dim = default_head_dim(r.family, r.get, hidden, heads)
+    if head_dim is None:
         raise ConfigError(
-            source, "head_dim", f"missing and hidden_size {hidden} is not divisible by {heads} heads"
+            r.source, "head_dim", f"missing and hidden_size {hidden} is not divisible by {heads} heads"
         )
-    return hidden // heads
+    return r.derived("head_dim", head_dim)
 
 
-def _layer_types(r: _Reader, family: str, num_layers: int, window: int | None) -> tuple[str, ...]:
-    """Each layer's attention kind, by the family's own rule when the config is silent."""
+def _layer_types(r: _Reader, num_layers: int) -> tuple[str, ...]:
+    """Each layer's attention kind: as listed, else by the family's own rule."""
     explicit = r.raw.get("layer_types")
-    if explicit is not None:
-        if not isinstance(explicit, list) or any(t not in (FULL, SLIDING) for t in explicit):
-            raise ConfigError(
-                r.source, "layer_types", f"entries must be '{FULL}' or '{SLIDING}', got {explicit!r}"
-            )
-        return tuple(explicit)
-    if family in ("gemma2",):
-        return tuple(SLIDING if (i + 1) % 2 else FULL for i in range(num_layers))
-    if family in ("gemma3", "gemma3_text"):
-        pattern = r.opt("sliding_window_pattern", int, 6)
-        return tuple(SLIDING if (i + 1) % pattern else FULL for i in range(num_layers))
-    if family == "qwen2" or family == "qwen3":
-        if not r.raw.get("use_sliding_window") or window is None:
-            return (FULL,) * num_layers
-        first = r.opt("max_window_layers", int, num_layers)
-        return tuple(SLIDING if i >= first else FULL for i in range(num_layers))
-    if family in ("mistral", "phi3") and window is not None:
-        return (SLIDING,) * num_layers
-    return (FULL,) * num_layers
+    if explicit is None:
+        try:
+            return default_layer_types(r.family, r.get, num_layers)
+        except ConfigError:  # a field the rule read, already named
+            raise
+        except ValueError as e:  # only SmolLM3's no_rope_layers can disagree with the count
+            raise ConfigError(r.source, "no_rope_layers", str(e)) from None
+    if not isinstance(explicit, list) or any(t not in (FULL, SLIDING) for t in explicit):
+        raise ConfigError(
+            r.source, "layer_types", f"entries must be '{FULL}' or '{SLIDING}', got {explicit!r}"
+        )
+    return tuple(explicit)
 
 
-def _rope(r: _Reader, family: str) -> tuple[RopeConfig, RopeConfig | None]:
+def _rope(r: _Reader) -> tuple[RopeConfig, RopeConfig | None]:
     """Normalise 4.x `rope_theta`/`rope_scaling` and 5.x `rope_parameters`."""
-    partial = float(r.opt("partial_rotary_factor", (int, float), 1.0))
+    partial = float(r.get("partial_rotary_factor", (int, float), required=False) or 1.0)
     params = r.raw.get("rope_parameters")
     if isinstance(params, Mapping) and FULL in params:  # 5.x per-layer-type dicts
         full = _rope_from_dict(r, params[FULL], "rope_parameters.full_attention", partial)
         local = params.get(SLIDING)
-        return full, _rope_from_dict(r, local, "rope_parameters.sliding_attention", partial) if local else None
+        if local is None:
+            return full, _gemma3_local(r, partial)
+        return full, _rope_from_dict(r, local, "rope_parameters.sliding_attention", partial, SLIDING)
     if isinstance(params, Mapping):
         return _rope_from_dict(r, params, "rope_parameters", partial), _gemma3_local(r, partial)
-    theta = float(r.opt("rope_theta", (int, float), 10000.0))
     scaling = r.raw.get("rope_scaling")
-    merged = {"rope_theta": theta, **(scaling if isinstance(scaling, Mapping) else {})}
     if scaling is not None and not isinstance(scaling, Mapping):
         raise ConfigError(r.source, "rope_scaling", f"expected an object or null, got {scaling!r}")
-    return _rope_from_dict(r, merged, "rope_scaling", partial), _gemma3_local(r, partial)
+    return _rope_from_dict(r, scaling or {}, "rope_scaling", partial), _gemma3_local(r, partial)
 
 
-def _rope_from_dict(r: _Reader, d: Mapping[str, Any], name: str, partial: float) -> RopeConfig:
-    rope_type = d.get("rope_type") or d.get("type") or "default"
-    if rope_type == "su":  # early Phi-3 configs
-        rope_type = "longrope"
+def _rope_from_dict(r: _Reader, d: Mapping[str, Any], name: str, partial: float,
+                    kind: str = FULL) -> RopeConfig:
+    rope_type = rope_type_alias(r.family, d.get("rope_type") or d.get("type") or "default")
     if rope_type not in ROPE_TYPES:
         raise ConfigError(r.source, f"{name}.rope_type", f"unknown RoPE variant {rope_type!r}; known: {ROPE_TYPES}")
-    theta = d.get("rope_theta", r.raw.get("rope_theta", 10000.0))
+    theta = d.get("rope_theta")
+    if theta is None and kind == SLIDING:  # Gemma-3's sliding layers: their own base
+        theta = r.get("rope_local_base_freq", (int, float), required=False)
+    if theta is None:  # as transformers: the top-level base, else the family's
+        theta = r.get("rope_theta", (int, float))
     partial = float(d.get("partial_rotary_factor", partial))
     extra = {k: v for k, v in d.items() if k not in ("rope_type", "type", "rope_theta", "partial_rotary_factor")}
-    if rope_type in ("llama3", "yarn", "longrope"):
-        # As transformers does: a top-level original_max_position_embeddings (Phi-3 writes
-        # one) wins over the rope dict's; without either, the trained length is the max.
-        top = r.raw.get("original_max_position_embeddings")
-        if top is not None:
-            extra["original_max_position_embeddings"] = top
-        extra.setdefault("original_max_position_embeddings", r.raw.get("max_position_embeddings", 2048))
+    if rope_type in SCALED_ROPE_TYPES:
+        extra["original_max_position_embeddings"] = trained_positions(r.family, r.get, d)
     if rope_type in ("linear", "dynamic", "yarn", "llama3") and "factor" not in extra:
         raise ConfigError(r.source, f"{name}.factor", f"RoPE variant {rope_type!r} needs a factor")
     return RopeConfig(theta=float(theta), rope_type=rope_type, partial_rotary_factor=partial, params=extra)
 
 
 def _gemma3_local(r: _Reader, partial: float) -> RopeConfig | None:
-    base = r.raw.get("rope_local_base_freq")
-    return RopeConfig(theta=float(base), partial_rotary_factor=partial) if base else None
+    """Gemma-3's sliding layers rotate with their own base (default 10,000), unscaled."""
+    if r.family not in ("gemma3", "gemma3_text") and "rope_local_base_freq" not in r.raw:
+        return None
+    base = r.get("rope_local_base_freq", (int, float))  # the gemma3 rows default it
+    return RopeConfig(theta=float(base), partial_rotary_factor=partial)
 
 
 def _mla(r: _Reader) -> MLAConfig:
     return MLAConfig(
-        kv_lora_rank=r.req("kv_lora_rank", int),
-        qk_rope_head_dim=r.req("qk_rope_head_dim", int),
-        qk_nope_head_dim=r.req("qk_nope_head_dim", int),
-        v_head_dim=r.req("v_head_dim", int),
-        q_lora_rank=r.opt("q_lora_rank", int, None),
+        kv_lora_rank=r.get("kv_lora_rank", int),
+        qk_rope_head_dim=r.get("qk_rope_head_dim", int),
+        qk_nope_head_dim=r.get("qk_nope_head_dim", int),
+        v_head_dim=r.get("v_head_dim", int),
+        q_lora_rank=r.get("q_lora_rank", int),
     )
 
 
-def _moe(raw: Mapping[str, Any]) -> dict[str, Any]:
-    keys = ("n_routed_experts", "n_shared_experts", "moe_intermediate_size", "first_k_dense_replace",
-            "num_experts", "num_experts_per_tok", "moe_layer_freq")
-    return {k: raw[k] for k in keys if raw.get(k) is not None}
+_MOE_KEYS = ("n_routed_experts", "n_shared_experts", "moe_intermediate_size",
+             "first_k_dense_replace", "num_experts", "num_experts_per_tok", "moe_layer_freq")
 
 
-def _tied(outer: Mapping[str, Any], raw: Mapping[str, Any], family: str) -> bool:
-    """Gemma ties its LM head to the embeddings by default; the others do not."""
-    for d in (raw, outer):
-        if d.get("tie_word_embeddings") is not None:
-            return bool(d["tie_word_embeddings"])
-    return family in GEMMA
+def _moe(r: _Reader) -> dict[str, Any]:
+    """MoE shape: DeepSeek's class defaults, or whatever MoE fields another config writes."""
+    values = {k: r.get(k, (int, float), required=False) for k in _MOE_KEYS}
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def _tied(r: _Reader) -> bool:
+    """The LM head shares the embeddings; a multimodal wrapper decides for its text model."""
+    wrapper = r.outer.get("model_type")
+    if r.outer is r.raw or wrapper not in MULTIMODAL_DEFAULTS:
+        return r.get("tie_word_embeddings", bool)
+    if r.outer.get("tie_word_embeddings") is not None:
+        return bool(r.outer["tie_word_embeddings"])
+    tied = MULTIMODAL_DEFAULTS[wrapper]["tie_word_embeddings"]
+    r.defaulted["tie_word_embeddings"] = tied
+    return tied
+
+
+def _dtype(r: _Reader) -> str:
+    for d in (r.outer, r.raw):
+        for key in ("dtype", "torch_dtype"):
+            if d.get(key):
+                return str(d[key])
+    return "float32"
 
 
 def _first_int(value) -> int | None:

@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 TEXT = ROOT / "src" / "ctxwarden" / "models" / "data" / "tokenizer_text.txt.gz"
 KV_BYTES_PER_TOKEN = 46_080  # SmolLM2-135M, fp32 KV (the planner's figure)
+COST_TOKENS = 2000  # the prefix of the slowed-link runs
 
 
 def free_port() -> int:
@@ -95,7 +96,12 @@ class SlowLink:
         self._loop.call_soon_threadsafe(self._server.close)
 
 
-def prompt_ids(tokenizer, num_tokens: int, offset: int) -> list[int]:
+def prompt_ids(num_tokens: int, offset: int) -> list[int]:
+    """`num_tokens` token ids of the shipped text from character `offset` (SmolLM2's tokenizer)."""
+    from ctxwarden.context.tokenizers import load_tokenizer
+    from ctxwarden.spec.checkpoint import resolve_checkpoint
+
+    tokenizer = load_tokenizer(resolve_checkpoint(None).path)
     text = gzip.open(TEXT, "rt", encoding="utf-8").read()
     ids = tokenizer.encode(text[offset:offset + num_tokens * 8])
     assert len(ids) >= num_tokens, f"the shipped text gave {len(ids)} tokens, fewer than {num_tokens}"
@@ -141,68 +147,99 @@ def warm_runs(llm, ids, tier: str | None, reps: int, cold_token: int, reset: boo
     return out
 
 
-def measure_size(n: int, reps: int, redis_url: str, workdir: Path, tokenizer) -> dict:
-    ids = prompt_ids(tokenizer, n, offset=7 * n)
-    row: dict = {"tokens": n, "cold_ttft_s": []}
+def measure_tier(n: int, tier: str, reps: int, redis_url: str, workdir: str) -> dict:
+    """One fresh engine with one tier: cold TTFT (computes and stores), then warm ones."""
+    ids = prompt_ids(n, offset=7 * n)
     ram_bytes = int(n * KV_BYTES_PER_TOKEN * 1.5)
-    configs = {"ram": f"ram:{ram_bytes}", "disk": f"disk:{workdir / f'disk-{n}'}:{2 * ram_bytes}",
-               "redis": redis_url}
-    cold_token = None
-    for name, tiers in configs.items():
-        llm = engine(tiers, n)
-        t, token, _ = ttft(llm, ids)  # cold: computes, then spills / stores
-        row["cold_ttft_s"].append(t)
-        cold_token = token if cold_token is None else cold_token
-        assert token == cold_token
-        llm.engine.tiers.flush(120)
-        if name == "ram":
-            row["pool"] = warm_runs(llm, ids, None, reps, cold_token, reset=False)
-        row[name] = warm_runs(llm, ids, name, reps, cold_token, reset=True)
-        llm.engine.close()
-        del llm
-    replica = engine(redis_url, n)  # another engine: its pool never saw the prompt
-    row["second_replica"] = warm_runs(replica, ids, "redis", 1, cold_token, reset=False)
-    replica.engine.close()
+    tiers = {"ram": f"ram:{ram_bytes}", "disk": f"disk:{Path(workdir) / f'disk-{n}'}:{2 * ram_bytes}",
+             "redis": redis_url}[tier]
+    llm = engine(tiers, n)
+    cold, token, _ = ttft(llm, ids)
+    llm.engine.tiers.flush(300)
+    row = {"cold_ttft_s": cold, "cold_token": token}
+    if tier == "ram":
+        row["pool"] = warm_runs(llm, ids, None, reps, token, reset=False)
+    row[tier] = warm_runs(llm, ids, tier, reps, token, reset=True)
+    llm.close()
     return row
 
 
-def cost_model_runs(port: int, reps: int, tokenizer) -> dict:
+def measure_replica(n: int, redis_url: str, cold_token: int) -> dict:
+    """A second engine in its own process: its pool never saw the prompt another computed."""
+    llm = engine(redis_url, n)
+    return warm_runs(llm, prompt_ids(n, offset=7 * n), "redis", 1, cold_token, reset=False)
+
+
+def measure_size(n: int, reps: int, redis_url: str, workdir: Path) -> dict:
+    """Every tier for one prompt size, each engine in a fresh child process."""
+    row: dict = {"tokens": n, "cold_ttft_s": []}
+    for tier in ("ram", "disk", "redis"):
+        got = run_child({"kind": "tier", "n": n, "tier": tier, "reps": reps, "redis_url": redis_url,
+                         "workdir": str(workdir)})
+        row["cold_ttft_s"].append(got.pop("cold_ttft_s"))
+        token = got.pop("cold_token")
+        assert row.setdefault("cold_token", token) == token, "cold runs disagree"
+        row.update(got)
+    row["second_replica"] = run_child({"kind": "replica", "n": n, "redis_url": redis_url,
+                                       "cold_token": row["cold_token"]})
+    return row
+
+
+def run_child(task: dict) -> dict:
+    """Run one measurement in a fresh process (its memory is its own, freed at exit)."""
+    done = subprocess.run([sys.executable, __file__, "--child", json.dumps(task)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"child {task['kind']} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def child(task: dict) -> dict:
+    """What one child process measures."""
+    kind = task["kind"]
+    if kind == "tier":
+        return measure_tier(task["n"], task["tier"], task["reps"], task["redis_url"], task["workdir"])
+    if kind == "replica":
+        return measure_replica(task["n"], task["redis_url"], task["cold_token"])
+    if kind == "cost_writer":
+        llm = engine(task["redis_url"], COST_TOKENS)
+        _, token, _ = ttft(llm, prompt_ids(COST_TOKENS, offset=3))
+        llm.engine.tiers.flush(300)
+        llm.close()
+        return {"cold_token": token}
+    if kind == "cost_recompute":
+        return _policy_runs(None, "auto", task["reps"], task["cold_token"])
+    link = SlowLink(task["port"], task["latency_ms"] / 1000, task["mb_per_s"] * 1e6)
+    return _policy_runs(f"redis://127.0.0.1:{link.port}?timeout_ms=2000", task["policy"], task["reps"],
+                        task["cold_token"])
+
+
+def cost_model_runs(port: int, reps: int) -> dict:
     """A 2K prefix in Redis, read over links of falling bandwidth: fetch-only, recompute-only, chosen."""
-    n = 2000
-    ids = prompt_ids(tokenizer, n, offset=3)
-    writer = engine(f"redis://127.0.0.1:{port}", n)
-    _, cold_token, _ = ttft(writer, ids)
-    writer.engine.tiers.flush(120)
-    writer.engine.close()
-    plain = engine(None, n)
-    recompute = []
-    for _ in range(reps):
-        plain.engine.reset_prefix_cache()
-        recompute.append(ttft(plain, ids)[0])
+    token = run_child({"kind": "cost_writer", "redis_url": f"redis://127.0.0.1:{port}"})["cold_token"]
+    recompute = run_child({"kind": "cost_recompute", "reps": reps, "cold_token": token})
     rows = []
     for latency_ms, mb_per_s in ((0.5, 1000), (2, 100), (5, 10)):
-        link = SlowLink(port, latency_ms / 1000, mb_per_s * 1e6)
-        row = {"latency_ms": latency_ms, "mb_per_s": mb_per_s, "recompute_only": {"ttft_s": recompute}}
+        row = {"latency_ms": latency_ms, "mb_per_s": mb_per_s, "recompute_only": recompute}
         for policy in ("always", "auto"):
-            row[policy] = _policy_runs(f"redis://127.0.0.1:{link.port}?timeout_ms=2000", policy, ids, n,
-                                       reps, cold_token)
-        link.close()
+            row[policy] = run_child({"kind": "cost_link", "port": port, "latency_ms": latency_ms,
+                                     "mb_per_s": mb_per_s, "policy": policy, "reps": reps, "cold_token": token})
         rows.append(row)
-    return {"prefix_tokens": n, "scenarios": rows}
+    return {"prefix_tokens": COST_TOKENS, "scenarios": rows}
 
 
-def _policy_runs(url: str, policy: str, ids, n: int, reps: int, cold_token: int) -> dict:
-    """`reps` TTFTs through one link under one policy, and what the cost model decided each time."""
-    llm = engine(url, n, fetch=policy)
+def _policy_runs(url: str | None, policy: str, reps: int, cold_token: int) -> dict:
+    """`reps` TTFTs through one link under one policy (None: no tier), and what was decided."""
+    ids = prompt_ids(COST_TOKENS, offset=3)
+    llm = engine(url, COST_TOKENS, fetch=policy)
     times, after_each = [], []
     for _ in range(reps):
         llm.engine.reset_prefix_cache()
         t, token, cached = ttft(llm, ids)
         assert token == cold_token
-        stats = next(s for s in llm.engine.stats().tiers if s.tier == "redis")
-        after_each.append({"cached_tokens": cached, "decisions_so_far": dict(stats.decisions)})
+        stats = next((s for s in llm.engine.stats().tiers if s.tier == "redis"), None)
+        after_each.append({"cached_tokens": cached, "decisions_so_far": dict(stats.decisions) if stats else {}})
         times.append(t)
-    llm.engine.close()
+    llm.close()
     return {"ttft_s": times, "after_each": after_each}
 
 
@@ -272,23 +309,25 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="one small size, two reps (a smoke run)")
     p.add_argument("--skip-cost", action="store_true", help="leave out the slowed-link runs")
+    p.add_argument("--child", help=argparse.SUPPRESS)  # one measurement, as JSON (run by the parent)
     args = p.parse_args()
+    if args.child:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        print(json.dumps(child(json.loads(args.child))))
+        return 0
     if args.quick:
         args.sizes, args.reps = [1000], 2
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
 
-    from ctxwarden.llm import LLM
-
-    tokenizer = LLM(kv_memory="64MiB").tokenizer
     redis, port = start_redis("4gb")
     workdir = Path(tempfile.mkdtemp(prefix="kv-tiers-bench-"))
     try:
         rows = []
         for n in args.sizes:
             print(f"[kv_tiers] {n} tokens ...", file=sys.stderr, flush=True)
-            rows.append(measure_size(n, args.reps, f"redis://127.0.0.1:{port}", workdir, tokenizer))
-        cost = None if args.skip_cost else cost_model_runs(port, args.reps, tokenizer)
+            rows.append(measure_size(n, args.reps, f"redis://127.0.0.1:{port}", workdir))
+        cost = None if args.skip_cost else cost_model_runs(port, args.reps)
     finally:
         redis.kill()
         shutil.rmtree(workdir, ignore_errors=True)

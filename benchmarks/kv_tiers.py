@@ -309,6 +309,8 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="one small size, two reps (a smoke run)")
     p.add_argument("--skip-cost", action="store_true", help="leave out the slowed-link runs")
+    p.add_argument("--only-cost", action="store_true",
+                   help="rerun the slowed-link runs only, keeping the sizes' results in the JSON")
     p.add_argument("--child", help=argparse.SUPPRESS)  # one measurement, as JSON (run by the parent)
     args = p.parse_args()
     if args.child:
@@ -324,13 +326,15 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="kv-tiers-bench-"))
     try:
         rows = []
-        for n in args.sizes:
+        for n in [] if args.only_cost else args.sizes:
             print(f"[kv_tiers] {n} tokens ...", file=sys.stderr, flush=True)
             rows.append(measure_size(n, args.reps, f"redis://127.0.0.1:{port}", workdir))
         cost = None if args.skip_cost else cost_model_runs(port, args.reps)
     finally:
         redis.kill()
         shutil.rmtree(workdir, ignore_errors=True)
+    if args.only_cost:
+        rows = json.loads((RESULTS / "kv_tiers.json").read_text())["runs"]
     summary = summarise(rows)
     machine = {"cpus": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
                "platform": platform.platform(), "torch": torch.__version__,

@@ -105,6 +105,14 @@ def test_a_fetch_past_its_deadline_is_abandoned_and_the_rest_recomputed(redis_se
         stalled = tiers.fetch(run, exp, deadline_s=time.monotonic() + 0.05)
         assert stalled.shortfall == "deadline" and stalled.num_blocks == 10  # the one batch in flight
         assert [bytes(p) for p in stalled.pages] == pages[:10]
-        assert tiers.stats()[0].decision("recompute") == 2
+        # projected: 10 of 100 blocks took 0.3 s, the other 90 would end past a 2 s deadline
+        redis_server.stop()
+        threading.Timer(0.3, redis_server.cont).start()
+        began = time.monotonic()
+        projected = tiers.fetch(run, exp, deadline_s=began + 2.0)
+        assert projected.shortfall == "deadline" and projected.num_blocks == 10
+        assert time.monotonic() - began < 1.5  # gave up after the first batch, not at 2 s
+        assert tiers.stats()[0].decision("recompute") == 3
+        assert tiers.cost.bytes_per_s("redis") < 1e6  # and the next decision knows the link is slow
     finally:
         tiers.close()

@@ -183,14 +183,19 @@ class KVTiers:
     # --- fetch ------------------------------------------------------------------------------
 
     def fetch(self, run: TierRun, exp: Expected, deadline_s: float) -> FetchResult:
-        """Get, verify and return the run's pages, stopping at the first bad, missing or late one."""
+        """Get, verify and return the run's pages, stopping at the first bad, missing or late one.
+
+        Late means past `deadline_s`, or projected past it: after each batch the rest of the
+        run is timed at the rate measured so far, and abandoned at once if it would finish
+        after the deadline (a slow link costs one batch, not the whole break-even time).
+        """
         t, began = self.tier(run.tier), time.monotonic()
         pages: list[memoryview] = []
         shortfall = None
         manifests: dict[bytes, Manifest | None] = {}
         batch = t.spec.batch_objects
         for i in range(0, len(run.objects), batch):
-            if time.monotonic() > deadline_s:
+            if self._is_late(began, len(pages), run.num_blocks, deadline_s):
                 shortfall = "deadline"
                 break
             got, shortfall = self._fetch_batch(t, run.objects[i:i + batch], exp, deadline_s, manifests)
@@ -201,6 +206,13 @@ class KVTiers:
         num_bytes = sum(len(p) for p in pages)
         self._count_fetch(t, run, len(pages), num_bytes, time.monotonic() - began, shortfall)
         return FetchResult(run.tier, run.first_block, tuple(pages), shortfall, num_bytes)
+
+    @staticmethod
+    def _is_late(began: float, num_done: int, num_blocks: int, deadline_s: float) -> bool:
+        now = time.monotonic()
+        if num_done == 0 or now > deadline_s:
+            return now > deadline_s
+        return now + (num_blocks - num_done) * (now - began) / num_done > deadline_s
 
     def _fetch_batch(self, t: _Tier, objects, exp: Expected, deadline_s: float,
                      manifests: dict) -> tuple[list[tuple[int, list[memoryview]]], str | None]:
@@ -279,9 +291,9 @@ class KVTiers:
         t.counters.add(num_hit_blocks=num_blocks, num_miss_blocks=run.num_blocks - num_blocks,
                        bytes_out=num_bytes)
         t.counters.observe_fetch(seconds)
-        if shortfall is None:
+        if num_bytes:  # a fetch cut short still measured the link: the next decision knows
             self.cost.observe_fetch(t.name, num_bytes, seconds, 1 + len(run.objects) // t.spec.batch_objects)
-        else:
+        if shortfall is not None:
             t.counters.count_decision("recompute")
             log.info("kv tier %s: fetch stopped at block %d of %d..%d (%s); recomputing the rest",
                      t.name, run.first_block + num_blocks, run.first_block, run.end_block - 1, shortfall)

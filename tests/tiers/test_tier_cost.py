@@ -35,6 +35,22 @@ def test_decide_weighs_round_trips_bytes_and_the_prefill_rate():
     assert cost.prefill_tokens_per_s == pytest.approx(1000 + 0.3 * 1000)
 
 
+def test_bad_news_is_believed_at_once_and_a_stale_skip_is_probed():
+    now = [0.0]
+    cost = CostModel(prefill_tokens_per_s=1000.0, reprobe_s=30.0, clock=lambda: now[0])
+    cost.observe_fetch("redis", 10_000_000, 0.1, 0)  # 100 MB/s
+    assert cost.decide("redis", 500, 10_000_000, 0).is_fetch  # 0.1 s < 0.5 s
+    cost.observe_fetch("redis", 1_000_000, 0.1, 0)  # one fetch at 10 MB/s: believed at once
+    assert cost.bytes_per_s("redis") == pytest.approx(1e7)
+    d = cost.decide("redis", 500, 10_000_000, 0)  # now 1 s > 0.5 s
+    assert d.action == "skipped"
+    now[0] = 31.0  # skipped for 31 s: nobody measured the link since
+    probe = cost.decide("redis", 500, 10_000_000, 0)
+    assert probe.is_fetch and probe.is_probe
+    cost.observe_fetch("redis", 10_000_000, 0.1, 0)  # the link is fast again: good news, gradually
+    assert 1e7 < cost.bytes_per_s("redis") < 1e8
+
+
 class _Setup:
     """A RAM tier holding a 24-block prompt, a manager whose pool holds none of it."""
 

@@ -79,6 +79,9 @@ def fetch_prefix(tiers: KVTiers, kv: KVCacheManager, req: Request, num_hit_block
             log.info("%s: %d blocks in %s skipped: fetch %.4f s >= recompute %.4f s", req.request_id,
                      run.num_blocks, run.tier, d.fetch_s, d.recompute_s)
             break
+        if d.is_probe:
+            log.info("%s: probing %s (estimate %.4f s is stale; recompute %.4f s)", req.request_id, run.tier,
+                     d.fetch_s, d.recompute_s)
         result = tiers.fetch(run, exp, time.monotonic() + d.recompute_s)
         pages.extend(result.pages)
         sources.append((run.tier, result.num_blocks))

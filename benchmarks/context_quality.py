@@ -395,12 +395,14 @@ def plot(summary: dict, path: Path) -> None:
     axes[1].set_xlabel("no-overlap set: document tokens / budget")
     axes[1].set_ylabel("evidence kept (%)")
     axes[2].set_xticks(range(len(KINDS)), KINDS)
-    axes[2].set_ylabel("SmolLM2 log p(answer), median and quartiles (higher is better)")
+    axes[2].set_ylabel("SmolLM2 log p(answer): median, quartiles")
     for ax in axes:
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle("Long-document QA: does the answer survive fitting, and does the model then know it?")
-    fig.tight_layout()
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(STRATEGIES), fontsize=9)
+    fig.suptitle("Long-document QA: does the answer survive fitting, and does the model then know it? "
+                 "(lexical / dense / hybrid = keep-tail-semantic with that ranker)")
+    fig.tight_layout(rect=(0, 0.06, 1, 0.95))
     fig.savefig(path, dpi=120)
 
 

@@ -113,3 +113,8 @@ def test_unsupported_pooling_and_activation_are_named(tmp_path, files):
     relu = json.dumps({**files.config, "hidden_act": "relu"})
     with pytest.raises(ConfigError, match="hidden_act"):
         read_minilm_files(_zip_with(tmp_path, files, **{"config.json": relu}))
+
+
+def test_dtype_is_validated(files):
+    with pytest.raises(ValueError, match="'auto', 'float32' or 'bfloat16'"):
+        MiniLMEncoder(files, dtype="int8")

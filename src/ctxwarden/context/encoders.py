@@ -76,6 +76,11 @@ class CachedEncoder:
                 self._store(missing, new, out)
         return out
 
+    def clear(self) -> None:
+        """Forget every cached embedding (the counters stay)."""
+        with self._lock:
+            self._cache.clear()
+
     def stats(self) -> CacheStats:
         """Hits, misses and entries so far."""
         with self._lock:

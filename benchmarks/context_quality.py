@@ -436,6 +436,7 @@ def main() -> None:
     outcomes, texts, seconds = run_fits(cases, args.window, args.max_tokens, tok)
     fit_s = time.perf_counter() - t0
     assert all(o.prompt_tokens <= budget for o in outcomes)
+    print(f"{len(outcomes)} fits in {fit_s:.1f} s; scoring with SmolLM2", flush=True)
     outcomes = add_logprobs(outcomes, texts, cases, args.logp_docs, tuple(args.logp_sets.split(",")))
     summary = summarise(outcomes)
     meta = {"docs": args.docs, "window": args.window, "max_tokens": args.max_tokens, "seed": args.seed,

@@ -313,6 +313,8 @@ def answer_logprobs(prompts: list[tuple[str, str]], batch: int = 4) -> list[floa
             for key, (p, a), out in zip(group, ids, outs):
                 scores[key] = sum(lp.logprob for lp in out.prompt_logprobs[len(p):])
             bar.advance(task, len(group))
+            if not bar.console.is_terminal:  # a log file: say how far it got
+                print(f"scored {min(at + batch, len(unique))}/{len(unique)}", flush=True)
     return [scores[p] for p in prompts]
 
 

@@ -109,15 +109,15 @@ def rank_segments(question: str, segments: Sequence[str], ranker: str | None = N
     name = resolve_ranker(ranker)
     lexical = bm25_scores(question, segments) if name != "dense" else None
     dense = dense_scores(question, segments) if name != "lexical" else None
-    if name == "lexical":
-        scores = lexical
-    elif name == "dense":
-        scores = dense
-    else:
+    scores = {"lexical": lexical, "dense": dense}.get(name)
+    if scores is None:
         scores = hybrid_scores(lexical, dense)
-    as_tuple = lambda a: None if a is None else tuple(float(x) for x in a)  # noqa: E731
-    return Ranking(name, as_tuple(scores), as_tuple(lexical), as_tuple(dense),
+    return Ranking(name, _as_tuple(scores), _as_tuple(lexical), _as_tuple(dense),
                    None if name == "lexical" else DEFAULT_ENCODER)
+
+
+def _as_tuple(values: np.ndarray | None) -> tuple[float, ...] | None:
+    return None if values is None else tuple(float(x) for x in values)
 
 
 def terms(text: str) -> list[str]:

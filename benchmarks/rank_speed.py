@@ -10,7 +10,7 @@ question at the end, in one process and interleaved with the model runs below:
   fit          fit(..., "keep-tail-semantic", ranker="hybrid") into an 8,192-token window, cold cache
 
 SmolLM2-135M-Instruct's prefill (ctxwarden.LLM, fp32, prefix cache off, one new prompt per
-repeat, time to first token with max_tokens=1) is measured at 4,096 and 8,192 tokens; 64K
+repeat, time to first token with max_tokens=1) is measured at 4,096 and 8,191 tokens; 64K
 is beyond its 8,192-token window, so its prefill there is estimated two ways: linear from
 the 8K rate (a lower bound: attention grows with the square of the length), and with
 t(n) = a n + b n^2 fitted through the 4K and 8K medians.
@@ -36,7 +36,7 @@ from ctxwarden.context.encoders import load_encoder
 from ctxwarden.context.rank import rank_segments
 
 DOC_TOKENS = 65_536
-PREFILL_TOKENS = (4096, 8192)
+PREFILL_TOKENS = (4096, 8191)  # 8,192 is the window: one token is left for the first sample
 QUESTION = "\n\nQuestion: Which passage above describes a change of plans, and why?"
 
 

@@ -34,7 +34,7 @@ for ranker in ("dense", "hybrid"):
 assert "torch" not in [m for m in sys.modules if sys.modules[m] is not None]
 print("ok")
 """
-NO_TORCH_PACKAGES = ("context", "kv", "scheduler", "plan")
+NO_TORCH_PACKAGES = ("context", "kv", "scheduler", "plan", "spec")
 
 
 def test_context_imports_and_runs_without_torch():

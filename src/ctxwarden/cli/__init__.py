@@ -20,6 +20,7 @@ COMMANDS = {
     "fit": "fit",
     "chunk": "chunk",
     "serve": "serve",
+    "diag": "diag",
 }
 
 def build_parser() -> argparse.ArgumentParser:

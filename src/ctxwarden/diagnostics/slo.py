@@ -8,9 +8,9 @@ per 1,000 requests of all traffic that come from this bucket (the column sums to
 rate) and the bucket's share of all violations.
 
 Predicted risk. TTFT is fitted as a + b L + c L^2 (L: prompt tokens prefill computed, i.e.
-not served from the prefix cache; a, b, c >= 0; relative least squares so long prompts do not
-dominate), and the ratios measured / fitted are kept as the noise (queueing included, as it
-was measured). P(TTFT > T | L) is the share of those ratios above T / fit(L). Only TTFT is
+not served from the prefix cache; a, b, c >= 0; least squares on ln TTFT, so the noise is
+multiplicative and long prompts do not dominate), and the ratios measured / fitted are kept
+as the noise (queueing included, as it was measured). P(TTFT > T | L) is the share of those ratios above T / fit(L). Only TTFT is
 predicted; lengths beyond the longest one fitted are flagged as extrapolated.
 """
 
@@ -80,7 +80,10 @@ def wilson_interval(num_successes: int, num_trials: int, z: float = WILSON_Z_95)
     denom = 1 + z * z / num_trials
     centre = (p + z * z / (2 * num_trials)) / denom
     half = z * np.sqrt(p * (1 - p) / num_trials + z * z / (4 * num_trials**2)) / denom
-    return float(max(0.0, centre - half)), float(min(1.0, centre + half))
+    # exact ends at 0 and n (the formula leaves rounding dust of 1e-18 there)
+    lo = 0.0 if num_successes == 0 else max(0.0, centre - half)
+    hi = 1.0 if num_successes == num_trials else min(1.0, centre + half)
+    return float(lo), float(hi)
 
 
 def is_violation(record: RequestRecord, slo: SLO) -> bool | None:
@@ -183,13 +186,23 @@ def fit_latency_model(records: list[RequestRecord]) -> LatencyModel:
                          f"got {len(rows)}")
     L = np.array([r[0] for r in rows], dtype=float)
     t = np.array([r[1] for r in rows], dtype=float)
-    design = np.stack([np.ones_like(L), L, L * L], axis=1)
-    scale = np.array([1.0, max(L.max(), 1.0), max(L.max(), 1.0) ** 2])  # conditioning only
-    coef, _ = optimize.nnls(design / scale / t[:, None], np.ones_like(t))  # relative errors
-    coef = coef / scale
-    fitted = np.maximum(design @ coef, 1e-12)
+    coef = _fit_log_quadratic(L, t)
+    fitted = np.maximum(coef[0] + coef[1] * L + coef[2] * L * L, 1e-12)
     return LatencyModel(float(coef[0]), float(coef[1]), float(coef[2]),
                         tuple(np.sort(np.log(t / fitted)).tolist()), int(L.max()), len(rows))
+
+
+def _fit_log_quadratic(L: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """(a, b, c) >= 0 minimising sum (ln t - ln(a + b L + c L^2))^2: the maximum-likelihood fit
+    under multiplicative (lognormal) noise, which queueing delays resemble."""
+    scale = np.array([np.median(t), np.median(t) / max(L.max(), 1.0), np.median(t) / max(L.max(), 1.0) ** 2])
+
+    def residuals(u: np.ndarray) -> np.ndarray:
+        u = u * scale
+        return np.log(t) - np.log(np.maximum(u[0] + u[1] * L + u[2] * L * L, 1e-12))
+
+    start = np.array([0.5, 0.5, 0.5])
+    return optimize.least_squares(residuals, start, bounds=(0.0, np.inf)).x * scale
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ HELP = "Diagnostics: request lengths, SLO risk, memory snapshots and diffs, slow
 SUBCOMMANDS = {
     "lengths": "lengths",
     "slo-risk": "slo_risk",
-#    "mem": "mem",
+    "mem": "mem",
 #    "leak": "leak",
 }
 

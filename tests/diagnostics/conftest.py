@@ -54,3 +54,14 @@ def child():
     c = Child()
     yield c
     c.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random llama checkpoint with a tokenizer (built once per session)."""
+    from ctxwarden.models.random_checkpoint import MakeModelOptions, make_checkpoint
+
+    out = tmp_path_factory.mktemp("diag-tiny-llama")
+    make_checkpoint(MakeModelOptions(arch="llama", out_dir=out, hidden_size=64, num_layers=2, num_heads=4,
+                                     num_kv_heads=2, vocab_size=512, max_position=1024, with_tokenizer=True))
+    return out

@@ -78,3 +78,37 @@ def plot_slo_risk(measured, predicted, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_leak(samples, report, path: str) -> None:
+    """Leak basis (and after trim) against completed requests with the robust line; TTFT if any."""
+    plt = _pyplot()
+    x = np.array([s.completed_requests for s in samples], dtype=float)
+    timed = [s for s in samples if s.ttft_s is not None]
+    fig, axes = plt.subplots(1, 2 if timed else 1, figsize=(13 if timed else 7, 5), squeeze=False)
+    ax = axes[0][0]
+    ax.plot(x, [s.leak_basis_bytes / 2**20 for s in samples], ".", ms=3, label="RssAnon + VmSwap")
+    r = report.rss
+    ax.plot(x, (r.intercept + r.slope * x) / 2**20, "r-",
+            label=f"Theil-Sen {r.slope / 1024:,.1f} KiB/request (R^2 {r.r_squared or 0:.2f})")
+    if report.trimmed:
+        ax.plot(x, [s.trimmed_leak_basis_bytes / 2**20 for s in samples], ".", ms=3, label="after malloc_trim")
+    ax.set_xlabel("completed requests")
+    ax.set_ylabel("MiB")
+    ax.set_title(f"memory per request: {report.verdict}")
+    ax.legend()
+    ax.grid(True, alpha=0.3)
+    if timed:
+        tx = axes[0][1]
+        sc = tx.scatter([s.completed_requests for s in timed], [s.ttft_s * 1000 for s in timed],
+                        c=[s.prompt_tokens for s in timed], s=6, cmap="viridis")
+        fig.colorbar(sc, ax=tx, label="prompt tokens")
+        d = report.ttft
+        tx.set_title("TTFT" + (f": drift {d.seconds_per_1000_requests * 1000:+.1f} ms / 1,000 requests "
+                               f"at fixed length" if d else ""))
+        tx.set_xlabel("completed requests")
+        tx.set_ylabel("TTFT (ms)")
+        tx.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -16,7 +16,7 @@ SUBCOMMANDS = {
     "lengths": "lengths",
     "slo-risk": "slo_risk",
     "mem": "mem",
-#    "leak": "leak",
+    "leak": "leak",
 }
 
 

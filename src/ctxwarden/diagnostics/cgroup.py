@@ -76,6 +76,16 @@ def lookup_cgroup(pid: int | str = "self", cgroup_root: str | Path = DEFAULT_CGR
                                                        "(no memory.events, PSI is system-wide)")
 
 
+def find_cgroup_dir(marker: str, v1_controller: str, pid: int | str = "self",
+                    cgroup_root: str | Path = DEFAULT_CGROUP_ROOT, proc_root: str | Path = "/proc") -> Path | None:
+    """The process's cgroup directory holding file `marker` (v2), else under `root/v1_controller`."""
+    root = Path(cgroup_root)
+    paths = _proc_cgroup_paths(Path(proc_root) / str(pid) / "cgroup")
+    if (root / "cgroup.controllers").is_file():
+        return _nearest(root, paths.get("", "/"), marker)
+    return _nearest(root / v1_controller, paths.get(v1_controller, "/"), marker)
+
+
 def read_cgroup_v2(path: Path) -> CgroupMemory:
     """Read a cgroup v2 directory's memory files (absent files give None / empty)."""
     pressure = _read_pressure(path / "memory.pressure")

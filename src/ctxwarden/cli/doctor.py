@@ -18,6 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttft", default="2s", help="--log: the TTFT objective (default 2s)")
     p.add_argument("--tpot", default=None, help="--log: the TPOT objective, e.g. 100ms")
     p.add_argument("--leak-samples", default=None, metavar="FILE", help="leak samples: add the leak verdict")
+    p.add_argument("--leak-warmup", type=int, default=0, help="--leak-samples: ignore the first N requests")
     p.add_argument("--cgroup-root", default="/sys/fs/cgroup", help="where the cgroup hierarchy is mounted")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -70,7 +71,7 @@ def _leak(args):
     from ctxwarden.cli.diag.leak import _read_samples
     from ctxwarden.diagnostics.leaks import assess_leak
 
-    return assess_leak(_read_samples(args.leak_samples))
+    return assess_leak(_read_samples(args.leak_samples), warmup_requests=args.leak_warmup)
 
 
 _STYLE = {"critical": "bold red", "high": "red", "warning": "yellow", "info": "cyan", "ok": "green"}

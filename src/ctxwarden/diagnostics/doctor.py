@@ -291,7 +291,8 @@ def leak_findings(report) -> list[Finding]:
     severity = {"leak": "high", "allocator retention": "warning", "inconclusive": "info", "no leak": "ok"}[report.verdict]
     fix = {"leak": "diff two snapshots (`ctxwarden diag mem diff`) to see which figure grows",
            "allocator retention": "MALLOC_ARENA_MAX=2 or a periodic malloc_trim returns it",
-           "inconclusive": "collect more samples (`ctxwarden diag leak --warmup N`)",
+           "inconclusive": "skip the warm-up (caches filling) with `diag leak --warmup N` / `doctor "
+                           "--leak-warmup N`, or collect more samples",
            "no leak": "nothing to do"}[report.verdict]
     out = [Finding(severity, f"slow-leak detector: {report.verdict}", report.reason, fix)]
     d = report.ttft

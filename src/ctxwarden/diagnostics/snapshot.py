@@ -110,7 +110,8 @@ def take_snapshot(pid: int | None = None, cgroup_root: str = DEFAULT_CGROUP_ROOT
     process = read_process_memory(pid)
     found = lookup_cgroup(process.pid, cgroup_root)
     notes = [found.reason] if found.reason else []
-    notes.append("kv and owners: a plain process has no engine; snapshot a server for them")
+    notes.append("kv and owners: read by pid, only the process and its cgroup are visible "
+                 "(the engine's KV pool and its owners are reported by the server itself)")
     if process.uss_bytes is None:
         notes.append(f"uss/pss: /proc/{process.pid}/smaps_rollup is not readable (another user's process)")
     return MemorySnapshot(time=time.time(), process=process, cgroup=found.memory, notes=tuple(notes))

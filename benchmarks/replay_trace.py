@@ -165,8 +165,12 @@ def write_results(records, check, args, wall_s: float) -> None:
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "replay_trace.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    summary = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
-               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"), "args": vars(args),
+    from ctxwarden.diagnostics.environment import read_cpu
+
+    run_args = {**vars(args), "trace": os.path.relpath(args.trace, ROOT)}
+    summary = {"machine": f"{read_cpu()['model'] or platform.machine()}, {os.cpu_count()} CPUs",
+               "load_average": {"start": args.load_start, "end": os.getloadavg()},
+               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"), "args": run_args,
                "wall_s": wall_s, "num_errors": sum(r["status"] != "ok" for r in records),
                **{k: v for k, v in check.items() if k not in ("measured", "predicted")}}
     (RESULTS / "replay_trace.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -199,6 +203,7 @@ def main() -> int:
     p.add_argument("--ttft", default="1.5s")
     p.add_argument("--buckets", default="0,128,256,512,1024,4096")
     args = p.parse_args()
+    args.load_start = os.getloadavg()  # the machine may be shared: the load says how much
     rows = scale_trace(load_trace(Path(args.trace), args.requests, args.start), args.prompt_scale,
                        args.output_scale, args.rate, args.window, args.max_output)
     port = free_port()

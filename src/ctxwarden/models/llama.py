@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ctxwarden.config import ModelSpec
+from ctxwarden.spec.model_spec import ModelSpec
 from ctxwarden.layers.linear import LinearWeight, linear, pack_linear
 from ctxwarden.layers.mlp import activation, gated_mlp
 from ctxwarden.layers.norm import rms_norm

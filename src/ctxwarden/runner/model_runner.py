@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ctxwarden.checkpoint import Checkpoint, resolve_checkpoint
+from ctxwarden.spec.checkpoint import Checkpoint, resolve_checkpoint
 from ctxwarden.plan.kv import KVLayout, kv_layout
 from ctxwarden.runner.attention import AttentionBackend, TorchPagedAttention
 from ctxwarden.runner.inputs import ForwardBatch, build_step_inputs

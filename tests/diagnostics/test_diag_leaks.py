@@ -119,33 +119,31 @@ def test_trim_probe_returns_freed_heap_pages():
     assert int(released) > 40 * MiB
 
 
-def test_cli_leak_judges_a_samples_file(tmp_path):
+def test_cli_leak_judges_a_samples_file(tmp_path, cli):
     import json
 
     path = tmp_path / "samples.jsonl"
     path.write_text("".join(json.dumps({"completed_requests": i, "leak_basis_bytes": 10 * MiB + i * 8 * KiB})
                             + "\n" for i in range(1, 101)))
-    out = subprocess.run([sys.executable, "-m", "ctxwarden", "diag", "leak", str(path), "--json"],
-                         capture_output=True, text=True, check=True)
-    got = json.loads(out.stdout)
+    rc, out, _ = cli("diag", "leak", path, "--json")
+    got = json.loads(out)
+    assert rc == 0
     assert got["verdict"] == "leak" and got["rss"]["slope"] == pytest.approx(8 * KiB)
     assert got["trimmed"] is None and got["ttft"] is None
     path.write_text('{"requests": 3}\n')
-    bad = subprocess.run([sys.executable, "-m", "ctxwarden", "diag", "leak", str(path)],
-                         capture_output=True, text=True)
-    assert bad.returncode == 2 and "not leak samples" in bad.stderr
+    rc, _, err = cli("diag", "leak", path)
+    assert rc == 2 and "not leak samples" in err
 
 
-def test_cli_leak_samples_a_live_engine(tmp_path, tiny_model_dir):
+def test_cli_leak_samples_a_live_engine(tmp_path, tiny_model_dir, cli):
     import json
 
     samples = tmp_path / "live.jsonl"
     png = tmp_path / "leak.png"
-    out = subprocess.run([sys.executable, "-m", "ctxwarden", "diag", "leak", "--model", str(tiny_model_dir),
-                          "--requests", "20", "--prompt-tokens", "16", "--max-tokens", "2", "--trim-probe",
-                          "--samples-out", str(samples), "--png", str(png), "--json"],
-                         capture_output=True, text=True, check=True)
-    got = json.loads(out.stdout)
+    rc, out, _ = cli("diag", "leak", "--model", tiny_model_dir, "--requests", "20", "--prompt-tokens", "16",
+                     "--max-tokens", "2", "--trim-probe", "--samples-out", samples, "--png", png, "--json")
+    got = json.loads(out)
+    assert rc == 0
     assert got["verdict"] in ("leak", "no leak", "inconclusive", "allocator retention")
     rows = [json.loads(line) for line in samples.read_text().splitlines()]
     assert [r["completed_requests"] for r in rows] == list(range(1, 21))

@@ -134,9 +134,12 @@ def test_owner_risk_by_age():
         owner_risk("zombie", 0.0, 1.0)
 
 
-def test_cli_snapshot_and_diff(child, tmp_path):
-    run = lambda *a: subprocess.run([sys.executable, "-m", "ctxwarden", "diag", "mem", *a],
-                                    capture_output=True, text=True, check=True).stdout
+def test_cli_snapshot_and_diff(child, tmp_path, cli):
+    def run(*a):
+        rc, out, err = cli("diag", "mem", *a)
+        assert rc == 0, err
+        return out
+
     a_path, b_path = tmp_path / "a.json", tmp_path / "b.json"
     snap = json.loads(run("snapshot", "--pid", str(child.pid), "--cgroup-root", str(FIXTURES / "v2-before"),
                           "--json", "--out", str(a_path)))

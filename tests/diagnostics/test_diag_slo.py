@@ -1,8 +1,6 @@
 """SLO risk: Wilson intervals cover, buckets add up, the latency model predicts held-out risk."""
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -121,23 +119,22 @@ def test_request_log_round_trip_and_errors(tmp_path):
         record(0, 1, 0.1, status="fine")
 
 
-def test_cli_slo_risk_json_prediction_and_png(tmp_path):
+def test_cli_slo_risk_json_prediction_and_png(tmp_path, cli):
     rng = np.random.default_rng(4)
     log = tmp_path / "requests.jsonl"
     log.write_text("".join(r.to_json() + "\n" for r in synthetic_log(rng, 2000)))
     mix = tmp_path / "mix.csv"
     mix.write_text("ContextTokens\n" + "".join(f"{v}\n" for v in rng.integers(1, 3000, 500)))
     png = tmp_path / "risk.png"
-    out = subprocess.run([sys.executable, "-m", "ctxwarden", "diag", "slo-risk", str(log), "--ttft", "600ms",
-                          "--tpot", "100ms", "--predict", str(mix), "--json", "--png", str(png)],
-                         capture_output=True, text=True, check=True)
-    got = json.loads(out.stdout)
+    rc, out, _ = cli("diag", "slo-risk", log, "--ttft", "600ms", "--tpot", "100ms", "--predict", mix,
+                     "--json", "--png", png)
+    got = json.loads(out)
+    assert rc == 0
     assert got["measured"]["slo"] == {"ttft_s": 0.6, "tpot_s": 0.1}
     assert got["measured"]["num_requests"] == 2000
     assert sum(b["num_requests"] for b in got["measured"]["buckets"]) == 2000
     assert got["predicted"]["num_requests"] == 500
     assert got["latency_model"]["c_s_per_token2"] >= 0
     assert png.read_bytes()[:4] == b"\x89PNG"
-    bad = subprocess.run([sys.executable, "-m", "ctxwarden", "diag", "slo-risk", str(log), "--ttft", "soon"],
-                         capture_output=True, text=True)
-    assert bad.returncode == 2 and "cannot read 'soon' as a duration" in bad.stderr
+    rc, _, err = cli("diag", "slo-risk", log, "--ttft", "soon")
+    assert rc == 2 and "cannot read 'soon' as a duration" in err

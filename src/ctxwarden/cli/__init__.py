@@ -20,7 +20,12 @@ COMMANDS = {
     "fit": "fit",
     "chunk": "chunk",
     "serve": "serve",
+    "diag": "diag",
+    "doctor": "doctor",
 }
+
+# The environment as the user left it, before main() sets its defaults (`doctor` reports it).
+USER_ENV: dict[str, str | None] = {}
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ctxwarden", description="Long-context LLM inference runtime.")
@@ -39,6 +44,7 @@ def _load(module: str):
 
 
 def main(argv: list[str] | None = None) -> int:
+    USER_ENV["OMP_WAIT_POLICY"] = os.environ.get("OMP_WAIT_POLICY")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = build_parser().parse_args(argv)
     try:

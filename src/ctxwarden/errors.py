@@ -228,3 +228,15 @@ class ChunkTooSmall(CtxwardenError, ValueError):
     """A single character needs more tokens than a chunk's max_tokens allows."""
 
 
+
+
+# --- diagnostics (ctxwarden.diagnostics) ---------------------------------------------------
+
+
+class NoSuchProcess(CtxwardenError, ValueError):
+    """A diagnostics command was pointed at a process id that does not exist (or has exited)."""
+
+    def __init__(self, pid: int, detail: str = ""):
+        self.pid = pid
+        super().__init__(f"no process with pid {pid}{' (' + detail + ')' if detail else ''}; "
+                         "check the pid (e.g. `pgrep -f 'ctxwarden serve'`)")

@@ -94,3 +94,34 @@ def test_assembly_within_budget_and_accounts_for_every_fragment(cl100k, data, bu
     ids = [k.fragment_id for k in a.kept] + [d.fragment_id for d in a.dropped]
     assert sorted(ids) == sorted(f.fragment_id for f in frags)
     assert all(d.reason in ("expired", "over-budget") for d in a.dropped)
+
+
+MEMORY = [("m1", "The user's cat is called Biscuit and sleeps on the radiator."),
+          ("m2", "The user prefers invoices as PDF attachments sent on the first of the month."),
+          ("m3", "The user is allergic to peanuts and carries an epinephrine pen."),
+          ("m4", "The user's flat is on the fourth floor; the lift is often broken.")]
+
+
+@pytest.mark.parametrize("ranker,expected", [("dense", "m3"), ("hybrid", "m3")])
+def test_query_ranks_fragments_by_meaning(cl100k, ranker, expected):
+    """No fragment shares a word with the query; the embedding model still finds the right one."""
+    frags = [_frag(fid, text, "memory") for fid, text in MEMORY]
+    budget = max(cl100k.count(t) for _, t in MEMORY) + 2  # room for one fragment
+    a = assemble(frags, budget, cl100k, now_ms=NOW, query="Which foods might trigger a dangerous reaction?",
+                 ranker=ranker)
+    assert a.ranker == ranker and [k.fragment_id for k in a.kept] == [expected]
+    assert a.kept[0].relevance == 1.0 and a.to_dict()["ranker"] == ranker
+    assert {d.fragment_id for d in a.dropped} == {"m1", "m2", "m4"}
+
+
+def test_query_relevance_multiplies_decayed_weight(cl100k):
+    """Equal relevance (same text): the heavier fragment wins; no relevance at all: weight decides."""
+    frags = [_frag("light", "peanut allergy noted", "memory", weight=1.0),
+             _frag("heavy", "peanut allergy noted", "memory", weight=3.0)]
+    a = assemble(frags, cl100k.count("peanut allergy noted") + 1, cl100k, now_ms=NOW, query="peanut allergy",
+                 ranker="lexical")
+    assert [k.fragment_id for k in a.kept] == ["heavy"] and a.kept[0].relevance == 1.0
+    plain = assemble(frags, 100, cl100k, now_ms=NOW)
+    assert plain.ranker is None and all(k.relevance is None for k in plain.kept)
+    with pytest.raises(ValueError, match="needs a query"):
+        assemble(frags, 100, cl100k, now_ms=NOW, ranker="dense")

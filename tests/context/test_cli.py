@@ -55,3 +55,17 @@ def test_fit_json_and_error_exit(sample, smol):
 def test_unknown_tokenizer_is_a_clear_error():
     out = _run("count", "-", "--tokenizer", "gpt-17", stdin="x")
     assert out.returncode == 2 and "Available names:" in out.stderr and "cl100k_base" in out.stderr
+
+
+def test_fit_ranker_flag_says_which_ran(emma):
+    doc = emma[200_000:210_000] + "\n\nQuestion: Who was at the party?"
+    for ranker, expected in ((None, "hybrid"), ("lexical", "lexical"), ("dense", "dense")):
+        args = ["fit", "-", "--window", "800", "--strategy", "keep-tail-semantic", "--json"]
+        out = _run(*args, *(["--ranker", ranker] if ranker else []), stdin=doc)
+        assert out.returncode == 0, out.stderr
+        data = json.loads(out.stdout)
+        assert data["ranker"] == expected and data["removed"] and "[...]" in data["text"]
+    plain = _run("fit", "-", "--window", "800", "--strategy", "keep-tail-semantic", "--ranker", "lexical", stdin=doc)
+    assert plain.returncode == 0 and "ranker lexical" in plain.stderr and "marked [...]" in plain.stderr
+    wrong = _run("fit", "-", "--window", "800", "--strategy", "truncate-head", "--ranker", "dense", stdin=doc)
+    assert wrong.returncode == 2 and "only applies to the keep-tail-semantic" in wrong.stderr

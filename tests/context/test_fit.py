@@ -109,3 +109,65 @@ def test_bad_arguments(smol):
         fit("x", 10, 1, smol, "truncate-sideways")
     with pytest.raises(ValueError, match="max_tokens must be in"):
         fit("x", 10, 10, smol)
+
+
+# keep-tail-semantic with each ranker. Our own no-shared-words pair (not the benchmark's).
+PARAPHRASE_FACT = "Mr. Knightley's steward sold forty bushels of wheat at the Kingston market."
+PARAPHRASE_QUESTION = "\n\nQuestion: How much grain did the landowner's agent trade in town?"
+
+
+def _paraphrase_doc(emma: str) -> str:
+    return emma[200_000:212_000] + "\n\n" + PARAPHRASE_FACT + "\n\n" + emma[212_000:224_000] + PARAPHRASE_QUESTION
+
+
+def test_rankers_on_a_paraphrase_with_no_shared_words(smol, emma):
+    doc = _paraphrase_doc(emma)
+    found = {}
+    for ranker in ("lexical", "dense", "hybrid"):
+        r = fit(doc, 2048, 256, smol, "keep-tail-semantic", ranker=ranker)
+        assert r.ranker == ranker and r.text.endswith(PARAPHRASE_QUESTION)
+        assert r.prompt_tokens == smol.count_prompt(r.text) <= 1792
+        found[ranker] = PARAPHRASE_FACT in r.text
+    assert found == {"lexical": False, "dense": True, "hybrid": True}
+    assert fit(doc, 2048, 256, smol, "keep-tail-semantic").ranker == "hybrid"  # the default here
+
+
+def test_semantic_marks_cuts_and_keeps_document_order(smol, emma):
+    doc = _paraphrase_doc(emma)
+    r = fit(doc, 1024, 64, smol, "keep-tail-semantic", ranker="hybrid")
+    assert r.removed and r.text.count("[...]") == len(r.removed)
+    # the kept text is the original with each removed span replaced by a marker, in order
+    rebuilt, at = [], 0
+    for span in r.removed:
+        assert span.part == 0 and at <= span.start < span.end
+        rebuilt.append(doc[at:span.start])
+        removed = doc[span.start:span.end]
+        rebuilt.append(("" if not rebuilt[-1] or rebuilt[-1][-1].isspace() else " ") + "[...]" +
+                       (removed[len(removed.rstrip()):] or " "))
+        at = span.end
+    rebuilt.append(doc[at:])
+    assert "".join(rebuilt) == r.text
+    assert sum(s.tokens for s in r.removed) >= r.original_tokens - r.prompt_tokens
+    assert r.to_dict()["removed"][0] == {"part": 0, "start": r.removed[0].start, "end": r.removed[0].end,
+                                         "tokens": r.removed[0].tokens}
+
+
+def test_semantic_on_messages_drops_emptied_messages_without_markers(smol, emma):
+    messages = [{"role": "system", "content": "Answer from the documents."},
+                {"role": "user", "content": emma[300_000:306_000]},
+                {"role": "user", "content": emma[306_000:309_000] + "\n\n" + PARAPHRASE_FACT},
+                {"role": "user", "content": "How much grain did the landowner's agent trade in town?"}]
+    r = fit(messages, 900, 64, smol, "keep-tail-semantic", ranker="hybrid")
+    assert r.messages[0].content == "Answer from the documents." and r.messages[-1].content == messages[-1]["content"]
+    assert any(PARAPHRASE_FACT in m.content for m in r.messages)
+    assert all(m.content.strip() != "[...]" for m in r.messages)
+    assert r.prompt_tokens == smol.count_chat(r.messages) <= 900 - 64
+
+
+def test_ranker_only_for_the_semantic_strategy(smol):
+    with pytest.raises(ValueError, match="only applies to the keep-tail-semantic"):
+        fit("word " * 200, 64, 8, smol, "truncate-head", ranker="dense")
+    with pytest.raises(ValueError, match="unknown ranker"):
+        fit("word " * 200, 64, 8, smol, "keep-tail-semantic", ranker="bm25")
+    small = fit("Short.", 64, 8, smol, "keep-tail-semantic", ranker="lexical")
+    assert small.ranker is None and not small.removed  # it fitted: nothing ranked

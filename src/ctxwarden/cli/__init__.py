@@ -21,7 +21,12 @@ COMMANDS = {
     "chunk": "chunk",
     "serve": "serve",
     "route": "route",
+    "diag": "diag",
+    "doctor": "doctor",
 }
+
+# The environment as the user left it, before main() sets its defaults (`doctor` reports it).
+USER_ENV: dict[str, str | None] = {}
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ctxwarden", description="Long-context LLM inference runtime.")
@@ -40,6 +45,7 @@ def _load(module: str):
 
 
 def main(argv: list[str] | None = None) -> int:
+    USER_ENV["OMP_WAIT_POLICY"] = os.environ.get("OMP_WAIT_POLICY")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = build_parser().parse_args(argv)
     try:

@@ -4,9 +4,11 @@ Each fragment has a source ("memory", "docs", "web", ...), a weight, a creation 
 optional time-to-live and a `required` flag. `assemble`:
   1. drops fragments whose source the query's intent may not use (`IntentRoutes`),
   2. drops expired fragments (age > ttl_ms),
-  3. decays each weight by age: weight * 0.5 ** (age_ms / half_life_ms),
+  3. decays each weight by age: weight * 0.5 ** (age_ms / half_life_ms); with a `query`, the
+     priority is that decayed weight times the fragment's relevance to the query (in [0, 1]:
+     `rank.rank_segments` score over the best one; lexical, dense or hybrid ranker),
   4. places every required fragment (raising RequiredContextExceeded if they cannot fit),
-  5. fills the rest of the budget by decayed weight, highest first, skipping what does not fit,
+  5. fills the rest of the budget by priority, highest first, skipping what does not fit,
   6. re-counts the joined text and, if the separators made it overshoot, drops the lowest
      weighted optional fragment until it fits.
 Kept fragments keep their input order. Every dropped fragment is reported with its reason.
@@ -16,9 +18,10 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Iterable, Mapping, Sequence
 
+from ctxwarden.context.rank import rank_segments
 from ctxwarden.context.tokenizers import Tokenizer
 from ctxwarden.errors import FragmentError, RequiredContextExceeded
 
@@ -96,6 +99,7 @@ class KeptFragment:
     source: str
     tokens: int
     effective_weight: float
+    relevance: float | None = None  # to the query, in [0, 1]; None without a query
 
 
 @dataclass(frozen=True)
@@ -117,10 +121,11 @@ class Assembly:
     budget_tokens: int
     kept: list[KeptFragment] = field(default_factory=list)
     dropped: list[DroppedFragment] = field(default_factory=list)
+    ranker: str | None = None  # the ranker that scored relevance to the query; None without a query
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
-        return {"text": self.text, "tokens": self.tokens, "budget_tokens": self.budget_tokens,
+        return {"text": self.text, "tokens": self.tokens, "budget_tokens": self.budget_tokens, "ranker": self.ranker,
                 "kept": [vars(k) for k in self.kept], "dropped": [vars(d) for d in self.dropped]}
 
 
@@ -130,12 +135,23 @@ class _Candidate:
     fragment: Fragment
     tokens: int
     effective_weight: float
+    relevance: float | None = None
+
+    @property
+    def priority(self) -> float:
+        """Decayed weight, times relevance to the query when there is one."""
+        return self.effective_weight if self.relevance is None else self.effective_weight * self.relevance
 
 
 def assemble(fragments: Sequence[Fragment | Mapping[str, Any]], budget_tokens: int, tokenizer: Tokenizer,
              intent: str | None = None, routes: IntentRoutes | None = None, now_ms: int | None = None,
-             half_life_ms: int = DEFAULT_HALF_LIFE_MS, separator: str = "\n\n") -> Assembly:
-    """Choose fragments for a budget (see the module docstring for the order of decisions)."""
+             half_life_ms: int = DEFAULT_HALF_LIFE_MS, separator: str = "\n\n", *, query: str | None = None,
+             ranker: str | None = None) -> Assembly:
+    """Choose fragments for a budget (see the module docstring for the order of decisions).
+
+    With `query`, fragments are ranked against it by `ranker` (lexical, dense, hybrid; None =
+    hybrid when the embedding model is installed, else lexical).
+    """
     if not isinstance(budget_tokens, int) or budget_tokens < 0:
         raise ValueError(f"budget_tokens must be a non-negative integer, got {budget_tokens!r}")
     if half_life_ms <= 0:
@@ -147,8 +163,20 @@ def assemble(fragments: Sequence[Fragment | Mapping[str, Any]], budget_tokens: i
     live = _filter_live(frags, intent, routes, now, dropped)
     counts = tokenizer.count_many([f.text for _, f in live])
     cands = [_Candidate(i, f, n, _decayed(f, now, half_life_ms)) for (i, f), n in zip(live, counts)]
+    cands, ranker_ran = _with_relevance(cands, query, ranker)
     chosen = _fill(cands, budget_tokens, tokenizer.count(separator), dropped)
-    return _finish(chosen, budget_tokens, tokenizer, separator, dropped)
+    return replace(_finish(chosen, budget_tokens, tokenizer, separator, dropped), ranker=ranker_ran)
+
+
+def _with_relevance(cands: list[_Candidate], query: str | None,
+                    ranker: str | None) -> tuple[list[_Candidate], str | None]:
+    """Each candidate's relevance to the query (none without a query), and the ranker that ran."""
+    if query is None:
+        if ranker is not None:
+            raise ValueError(f"a ranker ({ranker!r}) needs a query to rank fragments against; pass query=...")
+        return cands, None
+    ranking = rank_segments(query, [c.fragment.text for c in cands], ranker)
+    return [replace(c, relevance=r) for c, r in zip(cands, ranking.relevance())], ranking.ranker
 
 
 def _check_unique_ids(frags: Iterable[Fragment]) -> None:
@@ -189,14 +217,14 @@ def _decayed(f: Fragment, now: int, half_life_ms: int) -> float:
 
 
 def _fill(cands: list[_Candidate], budget: int, sep_tokens: int, dropped: list[DroppedFragment]) -> list[_Candidate]:
-    """Required fragments first, then the rest by decayed weight (newest first on ties)."""
+    """Required fragments first, then the rest by priority (then weight, then newest first on ties)."""
     required = [c for c in cands if c.fragment.required]
     need = sum(c.tokens for c in required) + sep_tokens * max(len(required) - 1, 0)
     if need > budget:
         raise RequiredContextExceeded(budget, need, [c.fragment.fragment_id for c in required])
     chosen, used = list(required), need
     optional = sorted((c for c in cands if not c.fragment.required),
-                      key=lambda c: (-c.effective_weight, -(c.fragment.created_at_ms or 0), c.index))
+                      key=lambda c: (-c.priority, -c.effective_weight, -(c.fragment.created_at_ms or 0), c.index))
     for c in optional:
         cost = c.tokens + (sep_tokens if chosen else 0)
         if used + cost <= budget:
@@ -216,12 +244,13 @@ def _finish(chosen: list[_Candidate], budget: int, tokenizer: Tokenizer, separat
         text = separator.join(c.fragment.text for c in chosen)
         tokens = tokenizer.count(text)
         if tokens <= budget:
-            kept = [KeptFragment(c.fragment.fragment_id, c.fragment.source, c.tokens, c.effective_weight) for c in chosen]
+            kept = [KeptFragment(c.fragment.fragment_id, c.fragment.source, c.tokens, c.effective_weight, c.relevance)
+                    for c in chosen]
             return Assembly(text, tokens, budget, kept, dropped)
         optional = [c for c in chosen if not c.fragment.required]
         if not optional:
             raise RequiredContextExceeded(budget, tokens, [c.fragment.fragment_id for c in chosen])
-        weakest = min(optional, key=lambda c: (c.effective_weight, -c.index))
+        weakest = min(optional, key=lambda c: (c.priority, c.effective_weight, -c.index))
         chosen.remove(weakest)
         dropped.append(DroppedFragment(weakest.fragment.fragment_id, weakest.fragment.source, "over-budget",
                                        f"joined text re-counted at {tokens} > budget {budget}"))

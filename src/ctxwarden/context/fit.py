@@ -9,7 +9,9 @@ exactly by rendering the template and re-counting. Strategies:
   truncate-middle     keep the start and the end of the longest part
   truncate-tail       drop the end of the longest part
   keep-tail-semantic  keep the system prompt and the final instruction/question, drop whole
-                      sentences elsewhere, least relevant to the question first
+                      sentences elsewhere, least relevant to the question first, ranked by
+                      `ranker` (lexical | dense | hybrid; default hybrid when the embedding
+                      model is installed, else lexical); "[...]" marks each cut
   chunk               split the longest part into pieces that each fit (for map-reduce)
 
 Invariant: the result is re-counted as the model will see it (template rendered, special
@@ -24,7 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ctxwarden.context import semantic
+from ctxwarden.context.semantic import RemovedSpan
 from ctxwarden.context.chunk import Chunk, chunk
+from ctxwarden.context.rank import resolve_ranker
 from ctxwarden.context.tokenizers import ChatMessage, Tokenizer, as_messages
 from ctxwarden.context.truncate import TRUNCATIONS, Truncator
 from ctxwarden.errors import ContextLengthExceeded
@@ -49,6 +53,8 @@ class FitResult:
     chunks: list[Chunk] = field(default_factory=list)
     chunk_part: int | None = None  # for chunk: which message's content each chunk replaces
     is_overhead_exact: bool = True
+    ranker: str | None = None  # keep-tail-semantic: the ranker that ran (None: it fitted, nothing ranked)
+    removed: list[RemovedSpan] = field(default_factory=list)  # keep-tail-semantic: what was cut, where
 
     @property
     def was_changed(self) -> bool:
@@ -59,10 +65,11 @@ class FitResult:
         """JSON-ready form."""
         out = {k: getattr(self, k) for k in ("strategy", "window_tokens", "max_tokens", "overhead_tokens",
                                               "budget_tokens", "original_tokens", "prompt_tokens",
-                                              "chunk_part", "is_overhead_exact", "text")}
+                                              "chunk_part", "is_overhead_exact", "ranker", "text")}
         out["was_changed"] = self.was_changed
         out["messages"] = [{"role": m.role, "content": m.content} for m in self.messages] if self.messages else None
         out["chunks"] = [c.to_dict() for c in self.chunks]
+        out["removed"] = [vars(r) for r in self.removed]
         return out
 
 
@@ -92,10 +99,17 @@ class _Prompt:
 
 
 def fit(prompt: str | Sequence[ChatMessage | dict], window_tokens: int, max_tokens: int, tokenizer: Tokenizer,
-        strategy: str = "error", add_generation_prompt: bool = True) -> FitResult:
-    """Fit `prompt` (text or chat messages) into window_tokens - max_tokens (see module doc)."""
+        strategy: str = "error", add_generation_prompt: bool = True, ranker: str | None = None) -> FitResult:
+    """Fit `prompt` (text or chat messages) into window_tokens - max_tokens (see module doc).
+
+    `ranker` (lexical, dense, hybrid; None = hybrid when the embedding model is installed,
+    else lexical) is used by keep-tail-semantic only; the result's `ranker` says which ran.
+    """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of: {', '.join(STRATEGIES)}")
+    if ranker is not None and strategy != "keep-tail-semantic":
+        raise ValueError(f"a ranker ({ranker!r}) only applies to the keep-tail-semantic strategy, not {strategy!r}")
+    ranker = resolve_ranker(ranker) if strategy == "keep-tail-semantic" else None
     _check_sizes(window_tokens, max_tokens)
     p = _Prompt(prompt, tokenizer, add_generation_prompt)
     available = window_tokens - max_tokens
@@ -111,7 +125,7 @@ def fit(prompt: str | Sequence[ChatMessage | dict], window_tokens: int, max_toke
     if strategy == "chunk":
         return _fit_chunks(p, part_tokens, available, base)
     if strategy == "keep-tail-semantic":
-        return _fit_semantic(p, available, base)
+        return _fit_semantic(p, available, base, ranker)
     return _fit_truncate(p, strategy, part_tokens, available, base)
 
 
@@ -170,16 +184,18 @@ def _fit_truncate(p: _Prompt, strategy: str, part_tokens: list[int], available: 
     return _result(p, parts, n, base)
 
 
-def _fit_semantic(p: _Prompt, available: int, base) -> FitResult:
+def _fit_semantic(p: _Prompt, available: int, base, ranker: str) -> FitResult:
     protected = {i for i, m in enumerate(p.messages or []) if m.role == "system"}
     units = semantic.build_units(p.parts, protected, p.tokenizer, tail_budget_tokens=base["budget_tokens"] // 2)
-    scores = semantic.score_units(units, p.parts)
+    ranking, order = semantic.rank_units(units, p.parts, ranker)  # ranked once; each refit reuses it
+    kept: list[bool] = []
 
     def attempt(budget: int) -> list[str]:
-        return semantic.rebuild_parts(p.parts, units, semantic.select_units(units, scores, budget))
+        kept[:] = semantic.select_units(units, order, budget)
+        return semantic.rebuild_parts(p.parts, units, kept)
 
     parts, n = _refit(p, attempt, base["budget_tokens"], available, base)
-    return _result(p, parts, n, base)
+    return _result(p, parts, n, base, ranker=ranking.ranker, removed=semantic.removed_spans(units, kept))
 
 
 def _fit_chunks(p: _Prompt, part_tokens: list[int], available: int, base) -> FitResult:

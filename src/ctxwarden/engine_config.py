@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 from ctxwarden.config import parse_bytes
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _KV_DTYPES = ("fp32", "bf16", "fp16")
+WEIGHTS_MODES = ("auto", "fp32", "bf16", "int8", "int4")  # the same tuple as models.loader's
+
+
+def _default_weights() -> str:
+    # CTXWARDEN_WEIGHTS lets a whole test run (or a deployment) pick the mode without code
+    return os.environ.get("CTXWARDEN_WEIGHTS", "auto")
 
 
 @dataclass(frozen=True)
@@ -28,10 +35,15 @@ class EngineConfig:
     swap_space_bytes: int = 4 * 1024**3
     window_tokens: int | None = None  # sink mode: the rolling window
     sink_tokens: int = 0  # sink mode: tokens kept at the start
+    # how projections are stored: auto keeps a GGUF's Q4_x / Q8_0 quantized (exact
+    # fp32 kernels), fp32 / bf16 dense, int8 / int4 quantize every projection
+    weights: str = field(default_factory=_default_weights)
 
     def __post_init__(self):
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.weights not in WEIGHTS_MODES:
+            raise ValueError(f"weights must be one of {WEIGHTS_MODES}, got {self.weights!r}")
         if self.kv_dtype not in _KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {_KV_DTYPES}, got {self.kv_dtype!r}")
         for name in ("kv_memory_bytes", "block_size", "max_num_seqs", "max_batched_tokens"):

@@ -26,6 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-memory", default="1GiB", help="KV pool size, e.g. 1GiB")
     p.add_argument("--max-batched-tokens", type=int, default=2048, help="prefill chunk size")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--weights", default=None, choices=["auto", "fp32", "bf16", "int8", "int4"],
+                   help="how projections are stored (default auto)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
@@ -37,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
     llm = LLM(args.model, kv_memory=args.kv_memory, dtype=args.dtype,
-              max_batched_tokens=args.max_batched_tokens)
+              max_batched_tokens=args.max_batched_tokens,
+              **({"weights": args.weights} if args.weights else {}))
     prompt = llm.apply_chat_template(_messages(args, text)) if args.chat else text
     if args.stream and not args.json:
         for out in llm.stream(prompt, params):

@@ -34,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="413 past this request size")
     p.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to let requests finish on SIGTERM")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--weights", default=None, choices=["auto", "fp32", "bf16", "int8", "int4"],
+                   help="how projections are stored (default auto: a GGUF's Q4_x/Q8_0 kept quantized)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -48,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
                           max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
                           max_batched_tokens=args.max_batched_tokens, dtype=args.dtype,
                           api_keys=args.api_keys, max_body_bytes=args.max_body_bytes,
-                          drain_timeout_s=args.drain_timeout)
+                          drain_timeout_s=args.drain_timeout, weights=args.weights)
     _configure_logging(args.log_level, RequestIdLogFilter())
     app = create_app(config)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_config=None,

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ctxwarden.ext import kernels
 from ctxwarden.runner.inputs import DecodeKeys, GroupInputs, SequenceKeys
 from ctxwarden.runner.kv_cache import LayerKV
 
@@ -67,6 +68,8 @@ class TorchPagedAttention(AttentionBackend):
         """Attention output [T, Hq, D] for the step's queries, in the batch's row order."""
         flat_k = kv.key.view(-1, *kv.key.shape[2:])  # [slots, Hkv, D]
         flat_v = kv.value.view(-1, *kv.value.shape[2:])
+        if group.decode is not None and q.dtype == torch.float32 and kernels() is not None:
+            return _decode_in_place(q, q_sink, kv, group.decode, params)
         if group.decode is not None:
             return _decode(q, q_sink, flat_k, flat_v, group.decode, params)
         out = torch.empty_like(q)
@@ -75,6 +78,18 @@ class TorchPagedAttention(AttentionBackend):
             qs = None if q_sink is None else q_sink[rows]
             out[rows] = _prefill_one(q[rows], qs, flat_k, flat_v, s, params)
         return out
+
+
+def _decode_in_place(q, q_sink, kv: LayerKV, dk: DecodeKeys, params: AttentionParams):
+    """Decode attention by ext/kernels.cpp, reading each key and value row in its page.
+
+    No gather, no padding mask, one call per layer instead of ~10 ops; each (sequence,
+    KV head) computes its query group's softmax over exactly its own keys.
+    """
+    qs = None if q_sink is None else q_sink.float().contiguous()
+    return kernels().paged_decode_attention(q.contiguous(), qs, kv.key, kv.value, dk.key_slots,
+                                            dk.num_keys, dk.num_sink_keys, params.scale,
+                                            params.softcap or 0.0)
 
 
 def _gather(flat: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -34,6 +34,7 @@ class RunnerConfig:
     window_tokens: int | None = None  # sink mode: rolling window after the sinks
     sink_tokens: int = 0
     attention_backend: str = "torch"
+    weights: str = "fp32"  # models.loader.WEIGHTS_MODES: how projections are stored
 
     def __post_init__(self):
         if self.num_blocks < 1:
@@ -43,6 +44,10 @@ class RunnerConfig:
         if self.attention_backend not in _BACKENDS:
             raise ValueError(f"attention_backend {self.attention_backend!r} is not one of "
                              f"{sorted(_BACKENDS)}")
+        from ctxwarden.engine_config import WEIGHTS_MODES
+
+        if self.weights not in WEIGHTS_MODES:
+            raise ValueError(f"weights must be one of {WEIGHTS_MODES}, got {self.weights!r}")
         if self.sink_tokens and not self.window_tokens:
             raise ValueError("sink_tokens needs window_tokens (the rolling window after the sinks)")
 
@@ -58,7 +63,7 @@ class ModelRunner:
         self.spec = self.checkpoint.spec
         self.layout: KVLayout = kv_layout(self.spec, config.kv_dtype, config.block_size,
                                           config.window_tokens, config.sink_tokens)
-        self.model = load_model(self.checkpoint, config.dtype)
+        self.model = load_model(self.checkpoint, config.dtype, config.weights)
         self.kv_cache = PagedKVCache(self.layout, config.num_blocks, self.spec.num_kv_heads,
                                      self.spec.head_dim, config.kv_dtype)
         self.backend: AttentionBackend = _BACKENDS[config.attention_backend]()

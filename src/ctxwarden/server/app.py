@@ -54,6 +54,7 @@ class ServerConfig:
     api_keys: str | None = None  # path of the key file
     max_body_bytes: int = 4 * 1024 * 1024
     drain_timeout_s: float = 60.0
+    weights: str | None = None  # EngineConfig.weights; None: its default (auto)
 
     def __post_init__(self):
         if self.max_body_bytes < 1:
@@ -113,7 +114,8 @@ def build_engines(config: ServerConfig) -> list[AsyncEngine]:
         engine = Engine(EngineConfig.build(kv_memory=config.kv_memory, model=path, dtype=config.dtype,
                                            kv_dtype=kv_dtype, max_num_seqs=config.max_num_seqs,
                                            max_waiting=config.max_waiting,
-                                           max_batched_tokens=config.max_batched_tokens))
+                                           max_batched_tokens=config.max_batched_tokens,
+                                           **({"weights": config.weights} if config.weights else {})))
         name = config.served_model_name if (k == 0 and config.served_model_name) else engine.checkpoint.name
         out.append(AsyncEngine(engine, name))
     for e in out:

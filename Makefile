@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml constraints.txt
 # ctxwarden's C++ kernels (src/ctxwarden/ext/kernels.cpp), built with this machine's
 # compiler; without one the build says so and ctxwarden uses its plain-torch paths.
 kernels:
-	$(BIN)/python -m ctxwarden.ext.build
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m ctxwarden.ext.build
 
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

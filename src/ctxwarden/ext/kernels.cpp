@@ -11,8 +11,8 @@
 // Layouts (groups of 32 along the input dimension K, G = K / 32):
 //   q4: codes uint8 [N, K/2]; group g of row n is 16 bytes, element i < 16 in the low
 //       nibble of byte i, element 16 + i in its high nibble (GGUF's Q4_0/Q4_1 order);
-//       scale, zero fp32 [N, G]: w = scale * code + zero.
-//   q8: codes int8 [N, K], scale fp32 [N, G]: w = scale * code.
+//       scale, zero fp16 [N, G] (as GGUF stores them): w = scale * code + zero.
+//   q8: codes int8 [N, K], scale fp16 [N, G]: w = scale * code.
 //   KV pool: [num_blocks, block_size, num_kv_heads, head_dim] fp32 or bf16; a key is one
 //       flat slot (block * block_size + offset).
 
@@ -29,6 +29,14 @@
 namespace {
 
 constexpr int64_t kGroup = 32;
+
+inline float half_to_float(at::Half h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h.x);
+#else
+  return static_cast<float>(h);
+#endif
+}
 
 #if defined(__AVX512F__)
 
@@ -103,7 +111,7 @@ void check_linear_args(const at::Tensor& x, const at::Tensor& scale, int64_t k) 
               "x must be a contiguous fp32 [M, K] tensor");
   TORCH_CHECK(x.size(1) == k, "x has ", x.size(1), " features, the weight ", k);
   TORCH_CHECK(k % kGroup == 0, "K must be a multiple of 32, got ", k);
-  TORCH_CHECK(scale.dtype() == at::kFloat && scale.is_contiguous(), "scales must be fp32");
+  TORCH_CHECK(scale.dtype() == at::kHalf && scale.is_contiguous(), "scales must be fp16");
 }
 
 // Grain of the parallel loop over output features: enough rows that a thread's share
@@ -123,25 +131,28 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   at::Tensor y = at::empty({m, n}, x.options());
   const float* xp = x.data_ptr<float>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float *sp = scale.data_ptr<float>(), *zp = zero.data_ptr<float>();
+  TORCH_CHECK(zero.dtype() == at::kHalf && zero.is_contiguous(), "zeros must be fp16");
+  const at::Half *sp = scale.data_ptr<at::Half>(), *zp = zero.data_ptr<at::Half>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, n, feature_grain(m, k), [&](int64_t begin, int64_t end) {
 #if defined(__AVX512F__)
     auto dq = [&](int64_t j, int64_t g, __m512& lo, __m512& hi) {
-      dequant_q4(cp + j * (k / 2) + g * 16, sp[j * groups + g], zp[j * groups + g], lo, hi);
+      dequant_q4(cp + j * (k / 2) + g * 16, half_to_float(sp[j * groups + g]),
+                 half_to_float(zp[j * groups + g]), lo, hi);
     };
     dot_range(xp, m, k, begin, end, groups, dq, yp, n);
 #else
     for (int64_t j = begin; j < end; ++j) {
       const uint8_t* row = cp + j * (k / 2);
-      const float *rs = sp + j * groups, *rz = zp + j * groups;
+      const at::Half *rs = sp + j * groups, *rz = zp + j * groups;
       for (int64_t r = 0; r < m; ++r) {
         float acc = 0.f;
         for (int64_t g = 0; g < groups; ++g)
           for (int i = 0; i < 16; ++i) {
             uint8_t b = row[g * 16 + i];
-            acc += (rs[g] * (b & 0x0F) + rz[g]) * xp[r * k + g * kGroup + i];
-            acc += (rs[g] * (b >> 4) + rz[g]) * xp[r * k + g * kGroup + 16 + i];
+            const float s = rs[g], z = rz[g];
+            acc += (s * (b & 0x0F) + z) * xp[r * k + g * kGroup + i];
+            acc += (s * (b >> 4) + z) * xp[r * k + g * kGroup + 16 + i];
           }
         yp[r * n + j] = acc;
       }
@@ -159,21 +170,21 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   at::Tensor y = at::empty({m, n}, x.options());
   const float* xp = x.data_ptr<float>();
   const int8_t* cp = codes.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
+  const at::Half* sp = scale.data_ptr<at::Half>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, n, feature_grain(m, k), [&](int64_t begin, int64_t end) {
 #if defined(__AVX512F__)
     auto dq = [&](int64_t j, int64_t g, __m512& lo, __m512& hi) {
-      dequant_q8(cp + j * k + g * kGroup, sp[j * groups + g], lo, hi);
+      dequant_q8(cp + j * k + g * kGroup, half_to_float(sp[j * groups + g]), lo, hi);
     };
     dot_range(xp, m, k, begin, end, groups, dq, yp, n);
 #else
     for (int64_t j = begin; j < end; ++j) {
       const int8_t* row = cp + j * k;
-      const float* rs = sp + j * groups;
+      const at::Half* rs = sp + j * groups;
       for (int64_t r = 0; r < m; ++r) {
         float acc = 0.f;
-        for (int64_t i = 0; i < k; ++i) acc += rs[i / kGroup] * row[i] * xp[r * k + i];
+        for (int64_t i = 0; i < k; ++i) acc += static_cast<float>(rs[i / kGroup]) * row[i] * xp[r * k + i];
         yp[r * n + j] = acc;
       }
     }
@@ -185,9 +196,9 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 // Dequantize a q4 weight to fp32 [N, K] (for large row counts, where a dense GEMM wins).
 at::Tensor q4_dequantize(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& zero) {
   const int64_t n = codes.size(0), k = codes.size(1) * 2, groups = k / kGroup;
-  at::Tensor w = at::empty({n, k}, scale.options());
+  at::Tensor w = at::empty({n, k}, scale.options().dtype(at::kFloat));
   const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float *sp = scale.data_ptr<float>(), *zp = zero.data_ptr<float>();
+  const at::Half *sp = scale.data_ptr<at::Half>(), *zp = zero.data_ptr<at::Half>();
   float* wp = w.data_ptr<float>();
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j)

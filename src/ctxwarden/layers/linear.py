@@ -21,6 +21,7 @@ The reordered tensor replaces the plain one (no second copy is kept).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,21 @@ from ctxwarden.layers.quant import Q4, QuantizedWeight, dequantize
 # Rows at which a quantized weight is dequantized for one dense GEMM instead of being
 # multiplied by the dequantizing kernel (measured in benchmarks/linear_kernels.py).
 DENSE_MIN_ROWS = 48
+
+
+@lru_cache(maxsize=1)
+def fast_prefill_dtype() -> torch.dtype:
+    """bf16 where the CPU has AMX tiles (and oneDNN bf16), else fp32: the rule for `auto`.
+
+    A CPU-flag rule, not a timing probe (a probe at start-up on 2 shared cores measures the
+    neighbours). Measured on Sapphire Rapids (AMX): bf16 GEMMs at prefill sizes 2-2.5x
+    fp32, bf16 flash attention 2.7x; on a Xeon with AVX512-BF16 but no AMX, bf16 F.linear
+    was slower than fp32 (PERF-NOTES), so there it stays fp32.
+    """
+    has_amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    if has_amx and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
 
 
 @dataclass(frozen=True)
@@ -69,14 +85,15 @@ def pack_linear(weight: torch.Tensor | QuantizedWeight, enabled: bool = True,
                 dense_dtype: torch.dtype = torch.float32) -> LinearWeight:
     """Prepare `weight` [out, in] for `linear` (reordered for oneDNN where possible).
 
-    A quantized weight stays quantized when the ext/ kernels are built; without them it is
-    dequantized here (to `dense_dtype`) and takes the dense path: same numbers, slower.
+    A quantized weight stays quantized when the ext/ kernels are built (expanded to
+    `dense_dtype` for prefill-sized steps); without them it is dequantized here to fp32
+    and takes the dense path: the dequantized model's numbers, at dense speed and size.
     """
     if isinstance(weight, QuantizedWeight):
         out_features, in_features = weight.shape
         if kernels() is not None:
             return LinearWeight(weight.codes, False, out_features, in_features, weight, dense_dtype)
-        weight = dequantize(weight).to(dense_dtype)
+        weight = dequantize(weight)
     out_features, in_features = weight.shape
     if enabled and can_pack(weight):
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)

@@ -1,13 +1,14 @@
 """Quantized weights in groups of 32 along the input dimension: what `weights=` modes hold.
 
-    q4 (int4): codes uint8 [N, K/2], scale and zero fp32 [N, K/32]; w = scale * code + zero
+    q4 (int4): codes uint8 [N, K/2], scale and zero fp16 [N, K/32]; w = scale * code + zero
                group g of a row is 16 bytes: element i in the low nibble of byte i, element
                16 + i in its high nibble (GGUF's Q4_0 / Q4_1 block order, so their codes are
                kept as they are: Q4_1 has zero = m, Q4_0 has zero = -8 * scale)
-    q8 (int8): codes int8 [N, K], scale fp32 [N, K/32]; w = scale * code (GGUF's Q8_0)
+    q8 (int8): codes int8 [N, K], scale fp16 [N, K/32]; w = scale * code (GGUF's Q8_0)
 
-Scales are widened from the GGUF's fp16 to fp32 once at load, so the kernels in ext/
-reproduce the dequantized fp32 model exactly (up to summation order). Dense weights are
+Scales stay fp16 as the GGUF stores them (a fifth of q4's bytes: 4 of 20 per group, and
+decode reads every byte each step); the kernels in ext/ widen them to fp32 in registers
+and reproduce the dequantized fp32 model exactly (up to summation order). Dense weights are
 quantized here the way llama.cpp's converter does it (Q4_1: min / max per group; Q8_0:
 absmax / 127), so `int4` / `int8` on a safetensors checkpoint store what a GGUF would.
 """
@@ -29,8 +30,8 @@ class QuantizedWeight:
 
     kind: str  # Q4 | Q8
     codes: torch.Tensor
-    scale: torch.Tensor  # fp32 [N, K / 32]
-    zero: torch.Tensor | None  # fp32 [N, K / 32] (q4 only)
+    scale: torch.Tensor  # fp16 [N, K / 32]
+    zero: torch.Tensor | None  # fp16 [N, K / 32] (q4 only)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -48,13 +49,14 @@ def quantize(w: torch.Tensor, kind: str) -> QuantizedWeight:
         raise ValueError(f"{kind} needs in_features to be a multiple of {GROUP}, got {k}")
     groups = w.float().reshape(n, k // GROUP, GROUP)
     if kind == Q8:
-        scale = groups.abs().amax(-1) / 127
-        codes = torch.round(groups / _nonzero(scale)[..., None]).to(torch.int8)
-        return QuantizedWeight(Q8, codes.reshape(n, k), scale, None)
-    low, high = groups.amin(-1), groups.amax(-1)
-    scale = (high - low) / 15
-    codes = torch.clamp(torch.floor((groups - low[..., None]) / _nonzero(scale)[..., None] + 0.5), 0, 15)
-    return QuantizedWeight(Q4, _pack_nibbles(codes.to(torch.uint8)).reshape(n, k // 2), scale, low)
+        scale = (groups.abs().amax(-1) / 127).half()
+        codes = torch.clamp(torch.round(groups / _nonzero(scale.float())[..., None]), -127, 127)
+        return QuantizedWeight(Q8, codes.to(torch.int8).reshape(n, k), scale, None)
+    low, high = groups.amin(-1).half(), groups.amax(-1)
+    scale = ((high - low.float()) / 15).half()
+    codes = torch.floor((groups - low.float()[..., None]) / _nonzero(scale.float())[..., None] + 0.5)
+    codes = torch.clamp(codes, 0, 15).to(torch.uint8)
+    return QuantizedWeight(Q4, _pack_nibbles(codes).reshape(n, k // 2), scale, low)
 
 
 def _nonzero(scale: torch.Tensor) -> torch.Tensor:
@@ -70,10 +72,10 @@ def dequantize(q: QuantizedWeight) -> torch.Tensor:
     """The fp32 [N, K] weight the codes stand for."""
     n, k = q.shape
     if q.kind == Q8:
-        return (q.codes.reshape(n, -1, GROUP).float() * q.scale[..., None]).reshape(n, k)
+        return (q.codes.reshape(n, -1, GROUP).float() * q.scale.float()[..., None]).reshape(n, k)
     b = q.codes.reshape(n, -1, 16)
     codes = torch.cat((b & 0x0F, b >> 4), dim=-1).float()  # [N, G, 32]
-    return (codes * q.scale[..., None] + q.zero[..., None]).reshape(n, k)
+    return (codes * q.scale.float()[..., None] + q.zero.float()[..., None]).reshape(n, k)
 
 
 def stack_rows(parts: list) -> torch.Tensor | QuantizedWeight:
@@ -118,7 +120,7 @@ def from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) ->
         return QuantizedWeight(Q8, torch.from_numpy(codes.copy()), scale, None)
     if type_name == "Q4_1":
         zero, start = _f16_column(blocks, 2).reshape(n, k // GROUP), 4
-    else:  # Q4_0: w = d * (code - 8)
+    else:  # Q4_0: w = d * (code - 8) = d * code - 8 d (exact in fp16 short of overflow)
         zero, start = -8 * scale, 2
     codes = np.ascontiguousarray(blocks[:, start:]).reshape(n, k // 2)
     return QuantizedWeight(Q4, torch.from_numpy(codes.copy()), scale, zero)
@@ -126,4 +128,4 @@ def from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) ->
 
 def _f16_column(blocks: np.ndarray, at: int) -> torch.Tensor:
     half = np.ascontiguousarray(blocks[:, at:at + 2]).view(np.float16)[:, 0]
-    return torch.from_numpy(half.astype(np.float32))
+    return torch.from_numpy(half.copy())

@@ -24,7 +24,7 @@ import torch
 
 from ctxwarden.config import ModelSpec
 from ctxwarden.ext import kernels
-from ctxwarden.layers.linear import LinearWeight, linear, pack_linear
+from ctxwarden.layers.linear import LinearWeight, fast_prefill_dtype, linear, pack_linear
 from ctxwarden.layers.quant import QuantizedWeight, rows_of, stack_rows
 from ctxwarden.layers.mlp import activation, gated_mlp
 from ctxwarden.layers.norm import rms_norm
@@ -146,9 +146,14 @@ class LlamaForCausalLM:
         def get(name):
             return source.get(p + name, dtype)
 
+        # A quantized weight is expanded for prefill-sized steps; on a CPU with AMX that
+        # GEMM runs in bf16 (linear.fast_prefill_dtype); weights=fp32 stays fp32 throughout.
+        prefill_dtype = fast_prefill_dtype() if dtype == torch.float32 else dtype
+
         def proj(*names):  # one projection, or several stacked along out_features
             parts = [source.get_linear(p + n, weights, dtype) for n in names]
-            return pack_linear(parts[0] if len(parts) == 1 else stack_rows(parts), dense_dtype=dtype)
+            return pack_linear(parts[0] if len(parts) == 1 else stack_rows(parts),
+                               dense_dtype=prefill_dtype)
 
         def opt(name):
             return get(name) if p + name in source.infos else None

@@ -127,15 +127,20 @@ class LlamaForCausalLM:
         """Build the model from a checked WeightSource, reading each tensor once.
 
         `weights` (loader.WEIGHTS_MODES) says how projections are stored; norms stay in
-        `dtype`. The embedding is kept quantized only where the file stores it so (auto).
+        `dtype`. A tied embedding shares the lm_head's codes when that is quantized.
         """
         name = "model.embed_tokens.weight"
-        quant_embed = source.get_quantized(name) if weights == "auto" else None
-        embed = quant_embed if quant_embed is not None else source.get(name, dtype)
-        lm_head = (embed if spec.tie_word_embeddings
-                   else source.get_linear("lm_head.weight", weights, dtype))
-        if spec.tie_word_embeddings and quant_embed is None and weights != "auto":
-            lm_head = source.get_linear(name, weights, dtype)  # int4/int8/bf16 lm_head, rows kept plain
+        # The lm_head is the one projection every token's logits go through: int4 keeps it
+        # at 8 bits (4-bit logits cost SmolLM2 +8.7% perplexity, 8-bit +0.2%), as
+        # llama.cpp's converters keep their output tensor at higher precision.
+        head_mode = "int8" if weights == "int4" else weights
+        if spec.tie_word_embeddings:
+            lm_head = source.get_linear(name, head_mode, dtype)
+            # a quantized table serves lookups too (rows dequantized on demand)
+            embed = lm_head if isinstance(lm_head, QuantizedWeight) else source.get(name, dtype)
+        else:
+            embed = source.get(name, dtype)
+            lm_head = source.get_linear("lm_head.weight", head_mode, dtype)
         layers = [cls._load_layer(spec, source, f"model.layers.{i}.", dtype, weights)
                   for i in range(spec.num_layers)]
         return cls(spec, embed, layers, source.get("model.norm.weight", dtype), lm_head, dtype)

@@ -20,6 +20,7 @@ COMMANDS = {
     "fit": "fit",
     "chunk": "chunk",
     "serve": "serve",
+    "bench": "bench",
 }
 
 def build_parser() -> argparse.ArgumentParser:

@@ -106,24 +106,43 @@ def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
     if w.quant is not None:
         return _quantized_linear(x, w)
     if w.is_packed:
-        xw = x if x.dtype == w.weight.dtype else x.to(w.weight.dtype)
-        out = torch.ops.mkldnn._linear_pointwise(xw, w.weight, None, "none", [], "")
-        return out if out.dtype == x.dtype else out.to(x.dtype)
+        return _bucketed(x, w.weight.dtype, w.out_features, lambda rows: torch.ops.mkldnn._linear_pointwise(
+            rows, w.weight, None, "none", [], ""))
     if x.dtype != w.weight.dtype:
         return F.linear(x.to(w.weight.dtype), w.weight).to(x.dtype)
     return F.linear(x, w.weight)
+
+
+# oneDNN caches one primitive (with its scratch memory) per distinct input shape, up to
+# 1,024 by default: a server that sees every prompt length grows by megabytes per new
+# length for hours (issue 17). Steps of more than BUCKET_ROWS rows are padded up to a
+# multiple of it, so at most max_batched_tokens / 64 large shapes exist per weight; the
+# padding costs under 64 rows of a step of >= 64 (at 2048 rows, at most 3%).
+BUCKET_ROWS = 64
+
+
+def _bucketed(x: torch.Tensor, dtype: torch.dtype, out_features: int, matmul) -> torch.Tensor:
+    """matmul(rows) on x's rows cast to `dtype`, row count padded to a bucket; x's dtype out."""
+    rows = x.reshape(-1, x.shape[-1])
+    n = rows.shape[0]
+    padded = -(-n // BUCKET_ROWS) * BUCKET_ROWS if n > BUCKET_ROWS else n
+    if padded != n or rows.dtype != dtype:
+        staged = rows.new_zeros((padded, rows.shape[1]), dtype=dtype)
+        staged[:n] = rows
+        rows = staged
+    out = matmul(rows)[:n]
+    return out.to(x.dtype).reshape(*x.shape[:-1], out_features)
 
 
 def _quantized_linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
     rows = x.reshape(-1, w.in_features)
     if rows.shape[0] >= DENSE_MIN_ROWS:
         dense = dense_weight(w)
-        out = F.linear(rows.to(dense.dtype), dense)
-    else:
-        rows = rows.float().contiguous()
-        ext, q = kernels(), w.quant
-        out = (ext.q4_linear(rows, q.codes, q.scale, q.zero) if q.kind == Q4
-               else ext.q8_linear(rows, q.codes, q.scale))
+        return _bucketed(x, dense.dtype, w.out_features, lambda r: F.linear(r, dense))
+    rows = rows.float().contiguous()
+    ext, q = kernels(), w.quant
+    out = (ext.q4_linear(rows, q.codes, q.scale, q.zero) if q.kind == Q4
+           else ext.q8_linear(rows, q.codes, q.scale))
     return out.to(x.dtype).reshape(*x.shape[:-1], w.out_features)
 
 

@@ -9,6 +9,7 @@ manager's business, handed in through the block tables.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,12 +53,25 @@ class RunnerConfig:
             raise ValueError("sink_tokens needs window_tokens (the rolling window after the sinks)")
 
 
+# oneDNN primitives cached per process (its default is 1,024). With step shapes bucketed
+# (layers/linear.py) a model needs about 4 weights x 32 large buckets + small shapes; 256
+# keeps them all, and bounds what an unbucketed caller could grow to (issue 17).
+PRIMITIVE_CACHE_CAPACITY = 256
+
+
+def bound_primitive_cache() -> None:
+    """Cap oneDNN's primitive cache unless the operator set it; oneDNN reads the variable
+    when it creates its cache, i.e. at the first oneDNN primitive of the process."""
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(PRIMITIVE_CACHE_CAPACITY))
+
+
 class ModelRunner:
     """Runs one model over a paged KV cache of `config.num_blocks` pages."""
 
     def __init__(self, model: str | Path | Checkpoint | None, config: RunnerConfig):
         from ctxwarden.models.loader import load_model
 
+        bound_primitive_cache()
         self.checkpoint = model if isinstance(model, Checkpoint) else resolve_checkpoint(model)
         self.config = config
         self.spec = self.checkpoint.spec

@@ -1,0 +1,103 @@
+"""Issue 17: the server's memory must not grow with the number of distinct prompt lengths.
+
+A real `ctxwarden serve` process (SmolLM2, the default weights) on a loopback port gets
+requests whose prompt lengths are all different. oneDNN caches one primitive per distinct
+step shape; the runner pads large steps to 64-row buckets and caps the cache, so once
+every bucket has been seen (the warm-up sends one prompt per bucket), new lengths must
+cost no memory. Measured: RssAnon of the server pid after warm-up and after each of three
+rounds of 16 new lengths.
+
+Tolerance: before the fix the growth was ~3 MB per request (issue 17: 1,872 -> 2,613 MB
+over 240 requests); allocator noise between rounds (glibc arenas, Python objects of the
+requests in flight) measured within +-15 MB here. The test fails on a slope above
+0.5 MB per request over the 48 measured requests (24 MB), a sixth of the old rate.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ctxwarden.checkpoint import default_model_path
+
+BUCKET = 64
+WARMUP_LENGTHS = [10, 33, 50] + [BUCKET * i + 1 + i % 7 for i in range(1, 19)]  # one per bucket to 1,216
+MAX_SLOPE_MB_PER_REQUEST = 0.5
+
+
+def _rss_anon_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no RssAnon in /proc/<pid>/status")
+
+
+@pytest.fixture(scope="module")
+def server(free_port):
+    try:
+        default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
+    proc = subprocess.Popen([sys.executable, "-m", "ctxwarden", "serve", "--port", str(port),
+                             "--kv-memory", "256MiB", "--log-level", "warning"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited: {proc.stderr.read()[-2000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("the server did not become healthy in 180 s")
+    yield url, proc.pid
+    proc.terminate()
+    proc.wait(timeout=60)
+
+
+def _send(url: str, lengths: list[int], rng: random.Random) -> None:
+    """One completion per length, 4 at a time; random token ids, so no prefix-cache hits."""
+    prompts = [[rng.randrange(100, 40_000) for _ in range(n)] for n in lengths]
+
+    def one(prompt):
+        r = httpx.post(url + "/v1/completions", timeout=300, json={
+            "model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 1, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(prompt)
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(one, prompts))
+
+
+@pytest.mark.slow
+def test_rss_stops_growing_after_every_bucket_was_seen(server):
+    url, pid = server
+    rng = random.Random(17)
+    _send(url, WARMUP_LENGTHS, rng)
+    seen = set(WARMUP_LENGTHS)
+    readings = [_rss_anon_mb(pid)]
+    for _ in range(3):
+        lengths = rng.sample(sorted(set(range(40, 1217)) - seen), 16)
+        seen.update(lengths)
+        _send(url, lengths, rng)
+        readings.append(_rss_anon_mb(pid))
+    growth = readings[-1] - readings[0]
+    print("RssAnon MB after warm-up and each round:", [round(r) for r in readings])  # -s shows it
+    assert growth / 48 < MAX_SLOPE_MB_PER_REQUEST, (
+        f"RssAnon grew {growth:.0f} MB over 48 requests of new lengths ({readings}); "
+        f"limit {MAX_SLOPE_MB_PER_REQUEST} MB per request")

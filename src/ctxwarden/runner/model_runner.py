@@ -53,10 +53,13 @@ class RunnerConfig:
             raise ValueError("sink_tokens needs window_tokens (the rolling window after the sinks)")
 
 
-# oneDNN primitives cached per process (its default is 1,024). With step shapes bucketed
-# (layers/linear.py) a model needs about 4 weights x 32 large buckets + small shapes; 256
-# keeps them all, and bounds what an unbucketed caller could grow to (issue 17).
-PRIMITIVE_CACHE_CAPACITY = 256
+# oneDNN primitives cached per process (its default is 1,024). An entry can hold a
+# reordered copy of its weight, and a quantized weight expanded for one prefill GEMM is a
+# new tensor every call: with 256 entries a server grew ~1.3 MB per request of a new
+# length even with bucketed shapes; with 16 it stays flat (tests/server/
+# test_memory_growth.py). 16 still holds a decode step's 5 weight shapes, so steady decode
+# never rebuilds a primitive; a prefill GEMM of >= 64 rows dwarfs a rebuild.
+PRIMITIVE_CACHE_CAPACITY = 16
 
 
 def bound_primitive_cache() -> None:

@@ -151,6 +151,6 @@ def dense_weight(w: LinearWeight) -> torch.Tensor:
     if w.quant is None:
         return w.weight
     q = w.quant
-    if q.kind == Q4 and kernels() is not None:
-        return kernels().q4_dequantize(q.codes, q.scale, q.zero).to(w.dense_dtype)
+    if q.kind == Q4 and kernels() is not None and w.dense_dtype in (torch.float32, torch.bfloat16):
+        return kernels().q4_dequantize(q.codes, q.scale, q.zero, w.dense_dtype == torch.bfloat16)
     return dequantize(q).to(w.dense_dtype)

@@ -215,7 +215,15 @@ class LlamaForCausalLM:
     def attention_params(self, layer_id: int, kv_cache: PagedKVCache) -> AttentionParams:
         layer = kv_cache.layer(layer_id)
         return AttentionParams(self.spec.head_dim ** -0.5, self.spec.attn_logit_softcapping,
-                               layer.window_tokens, layer.sink_tokens)
+                               layer.window_tokens, layer.sink_tokens, self.prefill_dtype)
+
+    @property
+    def prefill_dtype(self) -> torch.dtype | None:
+        """bf16 for long prefill attention where the projections' prefill GEMMs are bf16
+        (weights auto/int4/int8 on AMX, or bf16); None on the exact fp32 path."""
+        qkv = self.layers[0].qkv
+        dtype = qkv.dense_dtype if qkv.quant is not None else qkv.weight.dtype
+        return dtype if dtype != self.dtype else None
 
     def decoder_layer(self, layer_id, w: LayerWeights, x, step, rope, kv_cache, backend):
         if self._is_fused_step(x):

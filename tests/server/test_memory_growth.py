@@ -11,10 +11,12 @@ kept small (64 MiB, ~1,450 tokens): the warm-up's ~13,000 prompt tokens cycle th
 every page of it, and later growth cannot be the pool filling up.
 
 Tolerance: before the fix the growth was linear, ~3 MB per request (issue 17: 1,872 ->
-2,613 MB over 240 requests), and 1.3 MB per request with the cache capped at 256 entries;
-after it, glibc's heap moves in steps (+9, 0, +18 MB between rounds measured here), not
-in a line. Over 96 requests such steps stay under 0.3 MB per request while either old
-rate is over 1.3: the test fails above 0.6 MB per request (58 MB).
+2,613 MB over 240 requests), and 1.3 MB per request with the cache capped at 256 entries.
+After it, glibc's heap still moves in steps while the first rounds meet new step mixes
+(503, 592, 637, 599, 599, 599, 599 MB measured here: it rises, gives back, then stays).
+So the test asks whether RSS *keeps* growing: over the last three rounds (48 requests of
+new lengths, after 117 requests) the slope must stay under 0.6 MB per request (29 MB),
+less than half of either old linear rate.
 """
 
 from __future__ import annotations
@@ -103,9 +105,9 @@ def test_rss_stops_growing_after_every_bucket_was_seen(server):
         seen.update(lengths)
         _send(url, lengths, rng)
         readings.append(_rss_anon_mb(pid))
-    growth = readings[-1] - readings[0]
     print("RssAnon MB after warm-up and each round:", [round(r) for r in readings])  # -s shows it
-    num_requests = NUM_ROUNDS * PER_ROUND
+    late = NUM_ROUNDS // 2
+    growth, num_requests = readings[-1] - readings[-1 - late], late * PER_ROUND
     assert growth / num_requests < MAX_SLOPE_MB_PER_REQUEST, (
-        f"RssAnon grew {growth:.0f} MB over {num_requests} requests of new lengths ({readings}); "
-        f"limit {MAX_SLOPE_MB_PER_REQUEST} MB per request")
+        f"RssAnon grew {growth:.0f} MB over the last {num_requests} requests of new lengths "
+        f"(readings {[round(r) for r in readings]}); limit {MAX_SLOPE_MB_PER_REQUEST} MB per request")

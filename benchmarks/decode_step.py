@@ -37,6 +37,17 @@ def matmuls_only(model, rows: int) -> float:
     return time.perf_counter() - start
 
 
+def read_bandwidth_gbs(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Best of `repeats` full reads of a buffer far larger than any cache (GB/s)."""
+    buf = torch.ones(num_bytes // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - start)
+    return num_bytes / best / 1e9
+
+
 def decode_steps(runner, batch: int, context: int, steps: int) -> list[float]:
     """Seconds per decode step of `batch` sequences after `context`-token prompts."""
     from ctxwarden.runner import ForwardBatch, SequenceInput
@@ -65,7 +76,7 @@ def main() -> None:
     args = ap.parse_args()
     from ctxwarden.runner import ModelRunner, RunnerConfig
 
-    results = {}
+    results, bandwidth = {}, read_bandwidth_gbs()
     for batch in (int(b) for b in args.batches.split(",")):
         per_seq = -(-(args.context + args.steps + 1) // 16)
         runner = ModelRunner(None, RunnerConfig(num_blocks=batch * per_seq, weights=args.weights))
@@ -73,12 +84,19 @@ def main() -> None:
             steps = decode_steps(runner, batch, args.context, args.steps)
             mm = [matmuls_only(runner.model, batch) for _ in range(args.steps)]
         step_s, mm_s = statistics.median(steps[2:]), statistics.median(mm[2:])
+        floor_s = runner.model.weights_bytes / (bandwidth * 1e9)
         results[batch] = {"step_ms": 1e3 * step_s, "matmuls_ms": 1e3 * mm_s, "ratio": step_s / mm_s,
-                          "step_ms_min_max": [1e3 * min(steps[2:]), 1e3 * max(steps[2:])]}
+                          "step_ms_min_max": [1e3 * min(steps[2:]), 1e3 * max(steps[2:])],
+                          "weights_mb": runner.model.weights_bytes / 1e6,
+                          "weight_streaming_floor_ms": 1e3 * floor_s, "step_over_floor": step_s / floor_s}
         print(f"batch {batch:3d}: step {1e3 * step_s:7.2f} ms, matmuls alone {1e3 * mm_s:7.2f} ms "
-              f"-> {step_s / mm_s:.2f}x", flush=True)
+              f"-> {step_s / mm_s:.2f}x; weights {runner.model.weights_bytes / 1e6:.0f} MB / "
+              f"{bandwidth:.1f} GB/s = floor {1e3 * floor_s:.1f} ms ({step_s / floor_s:.2f}x)", flush=True)
     out = ROOT / "benchmarks" / "results" / "decode_step.json"
+    name = f"decode_step_{args.weights}.json"
+    out = out.with_name(name)
     out.write_text(json.dumps({"weights": args.weights, "context": args.context, "results": results,
+                               "read_bandwidth_gbs": bandwidth,
                                "threads": torch.get_num_threads(),
                                "date": time.strftime("%Y-%m-%d %H:%M")}, indent=1))
 

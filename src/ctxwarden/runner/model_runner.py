@@ -66,6 +66,8 @@ def bound_primitive_cache() -> None:
     """Cap oneDNN's primitive cache unless the operator set it; oneDNN reads the variable
     when it creates its cache, i.e. at the first oneDNN primitive of the process."""
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(PRIMITIVE_CACHE_CAPACITY))
+    # ideep (torch's oneDNN wrapper) keeps an LRU of its own, 1,024 entries by default
+    os.environ.setdefault("LRU_CACHE_CAPACITY", str(PRIMITIVE_CACHE_CAPACITY))
 
 
 class ModelRunner:

@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: install kernels test serve bench clean
+.PHONY: install kernels test serve bench bench-peers clean
 
 install: $(STAMP)
 
@@ -29,6 +29,22 @@ test: install
 
 serve: install
 	$(BIN)/ctxwarden serve --host 127.0.0.1 --port 8000
+
+# Side-by-side W1/W2/W3 against transformers and llama.cpp (fresh processes, round-robin,
+# both OpenMP wait policies): benchmarks/results/bench.{json,md,png}. Never part of `make test`.
+bench: install
+	$(BIN)/ctxwarden bench
+
+# llama-cpp-python for the benchmark only, in its own venv (a ~10-minute source build).
+# ggml's AMX path crashed (SIGSEGV in batched matmuls) on this VM, so it is built with
+# AVX-512 (VNNI, BF16) but without AMX: the CPU flags are named instead of -march=native.
+PEERS_VENV := benchmarks/.venv-peers
+LLAMA_CPP_FLAGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON \
+	-DGGML_AVX512_BF16=ON
+bench-peers:
+	$(PY) -m venv $(PEERS_VENV)
+	CMAKE_ARGS="$(LLAMA_CPP_FLAGS)" $(PEERS_VENV)/bin/pip install llama-cpp-python==0.3.36
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

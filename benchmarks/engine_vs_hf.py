@@ -159,7 +159,7 @@ def child_transformers(workload: str, quick: bool) -> dict:
     import torch
     import transformers
 
-    from ctxwarden.checkpoint import default_model_path
+    from ctxwarden.spec.checkpoint import default_model_path
 
     path = default_model_path()
     tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -186,7 +186,7 @@ def child_transformers(workload: str, quick: bool) -> dict:
 def child_llamacpp(workload: str, quick: bool) -> dict:
     import llama_cpp
 
-    from ctxwarden.checkpoint import default_model_path
+    from ctxwarden.spec.checkpoint import default_model_path
 
     llm = llama_cpp.Llama(str(default_model_path()), n_ctx=8192 + 64, n_threads=2, n_batch=512,
                           logits_all=False, verbose=False)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ctxwarden.checkpoint import resolve_checkpoint
+from ctxwarden.spec.checkpoint import resolve_checkpoint
 from ctxwarden.plan import kv_bytes_per_token, plan_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]

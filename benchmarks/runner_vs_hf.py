@@ -26,7 +26,7 @@ DECODE_PROMPT, DECODE_TOKENS = 128, 64
 def _prompt_ids(max_len: int) -> list[int]:
     from transformers import AutoTokenizer
 
-    from ctxwarden.checkpoint import default_model_path
+    from ctxwarden.spec.checkpoint import default_model_path
 
     path = default_model_path()
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -63,7 +63,7 @@ def _hf(ids: list[int], lengths: list[int]) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ctxwarden.checkpoint import default_model_path
+    from ctxwarden.spec.checkpoint import default_model_path
 
     path = default_model_path()
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,

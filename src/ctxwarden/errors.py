@@ -29,15 +29,15 @@ class ModelNotFound(CtxwardenError, FileNotFoundError):
 
 
 class ContextLengthExceeded(CtxwardenError, ValueError):
-    """A request can never fit the model's window (prompt + max_tokens > window)."""
+    """A request can never fit the model's window (prompt + max_tokens > max_model_len)."""
 
-    def __init__(self, window_tokens: int, prompt_tokens: int, max_tokens: int, detail: str = ""):
-        self.window_tokens = window_tokens
+    def __init__(self, max_model_len: int, prompt_tokens: int, max_tokens: int, detail: str = ""):
+        self.max_model_len = max_model_len
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
         total = prompt_tokens + max_tokens
         msg = (
-            f"This model's maximum context length is {window_tokens} tokens. However, you "
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {total} tokens ({prompt_tokens} in the prompt, {max_tokens} for the "
             f"completion). Please reduce the prompt or max_tokens."
         )
@@ -60,16 +60,56 @@ class KVCapacityExceeded(CtxwardenError, ValueError):
         )
 
 
-class QueueFull(CtxwardenError, RuntimeError):
-    """The bounded waiting queue is full: try again later (the server answers 429)."""
+class Overloaded(CtxwardenError, RuntimeError):
+    """A request would wait too long: refused now with a time to retry (the server answers 429).
 
-    def __init__(self, num_waiting: int, max_waiting: int):
+    `retry_after_s` is the engine's own estimate of when the same request would be admitted.
+    """
+
+    retry_after_s: float = 1.0
+
+
+class QueueFull(Overloaded):
+    """The bounded waiting queue is full: try again later."""
+
+    def __init__(self, num_waiting: int, max_waiting: int, retry_after_s: float = 1.0):
         self.num_waiting = num_waiting
         self.max_waiting = max_waiting
+        self.retry_after_s = retry_after_s
         super().__init__(
             f"The waiting queue is full ({num_waiting} of {max_waiting} requests waiting). "
-            "Retry after a short delay, or raise max_waiting."
+            f"Retry after {retry_after_s:.0f} s, or raise max_waiting."
         )
+
+
+class QueueDelayExceeded(Overloaded):
+    """The predicted time to first token is over the limit (deadline-aware admission)."""
+
+    def __init__(self, predicted_s: float, limit_s: float, num_tokens_ahead: int, prefill_tokens_per_s: float):
+        self.predicted_s, self.limit_s = predicted_s, limit_s
+        self.retry_after_s = max(1.0, predicted_s - limit_s)
+        super().__init__(
+            f"This request would wait about {predicted_s:.1f} s for its first token ({num_tokens_ahead} "
+            f"prompt tokens to compute first, at the measured {prefill_tokens_per_s:.0f} tokens/s for its "
+            f"share), over the limit of {limit_s:.1f} s (max_queue_delay_s). Retry after "
+            f"{self.retry_after_s:.0f} s, or send a shorter prompt."
+        )
+
+
+class TenantLimitExceeded(Overloaded):
+    """One tenant is over one of its own limits (queued requests, tokens per minute)."""
+
+    def __init__(self, tenant: str, what: str, value: float, limit: float, retry_after_s: float):
+        self.tenant, self.what, self.value, self.limit = tenant, what, value, limit
+        self.retry_after_s = max(1.0, retry_after_s)
+        super().__init__(
+            f"Tenant {tenant!r} is over its limit of {limit:g} {what} ({value:g} with this request). "
+            f"Retry after {self.retry_after_s:.0f} s; other tenants are not affected."
+        )
+
+class EngineFailed(CtxwardenError, RuntimeError):
+    """The engine loop died; nothing more can be served until the process restarts."""
+
 
 # --- KV block manager (ctxwarden.kv) ---------------------------------------------------
 
@@ -106,10 +146,6 @@ class UnknownSequence(CtxwardenError, LookupError):
 
 class SequenceExists(CtxwardenError, ValueError):
     """`allocate` was called for a sequence id that already holds blocks."""
-
-
-class KVSlotReleased(CtxwardenError, LookupError):
-    """A token position whose block a sliding window (or no allocation) does not hold."""
 
 
 class WeightsError(CtxwardenError, ValueError):
@@ -156,6 +192,14 @@ class UnknownTokenizer(CtxwardenError, ValueError):
         msg = (f"Unknown tokenizer {name!r}. Available names: {', '.join(available)}; or pass a path "
                "to a Hugging Face directory (tokenizer.json), a tokenizer.json file or a .gguf file.")
         super().__init__(msg + (f" ({hint})" if hint else ""))
+
+
+class TokenizerError(CtxwardenError, ValueError):
+    """A tokenizer file is there but cannot be read (malformed JSON, unknown model type)."""
+
+
+class NoTokenizer(CtxwardenError, FileNotFoundError):
+    """A checkpoint ships no tokenizer (no tokenizer.json; a GGUF without a vocabulary)."""
 
 
 class FragmentError(CtxwardenError, ValueError):

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from ctxwarden.engine import Engine
-from ctxwarden.engine_config import EngineConfig
+from ctxwarden.engine.config import EngineConfig
+from ctxwarden.engine.engine import Engine
 from ctxwarden.request import Request, StepOutput
 from ctxwarden.sampling import SamplingParams
 
@@ -48,11 +48,22 @@ class RequestOutput:
 class LLM:
     """A model loaded once, serving batches of prompts through the engine."""
 
-    def __init__(self, model: str | None = None, kv_memory: int | str = "2GiB", block_size: int = 16,
-                 dtype: str = "float32", kv_dtype: str | None = None, **engine_kwargs):
-        kv_dtype = kv_dtype or {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
-        self.engine = Engine(EngineConfig.build(kv_memory=kv_memory, model=model, block_size=block_size,
-                                                dtype=dtype, kv_dtype=kv_dtype, **engine_kwargs))
+    def __init__(self, model: str | None = None, kv_memory: int | str | None = None, **engine_options):
+        """Load `model` (HF dir, .gguf, None: SmolLM2-135M-Instruct) into an engine.
+
+        `engine_options` are EngineConfig's fields (block_size, dtype, kv_dtype,
+        max_num_seqs, max_batched_tokens, max_model_len, enable_prefix_caching, ...);
+        `kv_memory` and `swap_space` may be strings with units ('2GiB'). Defaults are
+        EngineConfig's.
+        """
+        self.engine = Engine(EngineConfig.build(kv_memory=kv_memory, model=model, **engine_options))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLM":
+        """An LLM over an engine built from a ready EngineConfig (as the CLI builds one)."""
+        llm = cls.__new__(cls)
+        llm.engine = Engine(config)
+        return llm
 
     @property
     def tokenizer(self):
@@ -70,7 +81,7 @@ class LLM:
         params_list = _broadcast(params, len(prompts))
         ids = [self.engine.encode(p) for p in prompts]
         for p_ids, sp in zip(ids, params_list):
-            self.engine.scheduler.check_admissible(len(p_ids), sp.max_tokens)
+            self.engine.check_admissible(len(p_ids), sp.max_tokens)
         reqs = [self.engine.add_request(p_ids, sp) for p_ids, sp in zip(ids, params_list)]
         self._drain(reqs, _wants_progress(show_progress, ids))
         outputs = [RequestOutput.of(r) for r in reqs]

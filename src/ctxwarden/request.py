@@ -31,6 +31,27 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass(frozen=True)
+class TenantShare:
+    """A tenant's claim on the engine: its weight in fair sharing and its own caps.
+
+    `name` is for messages only; the scheduler keys tenants by `Request.namespace`.
+    """
+
+    name: str = "default"
+    weight: float = 1.0
+    max_running: int | None = None  # its requests beyond this wait (others are not held up)
+    max_waiting: int | None = None  # its requests beyond this are refused (TenantLimitExceeded)
+
+    def __post_init__(self):
+        if not self.weight > 0:
+            raise ValueError(f"tenant weight must be > 0, got {self.weight}")
+        for name in ("max_running", "max_waiting"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"tenant {name} must be >= 1, got {value}")
+
+
 @dataclass
 class Request:
     """The engine's mutable state of one sequence (one choice of one API request)."""
@@ -40,6 +61,8 @@ class Request:
     params: Any  # ctxwarden.sampling.SamplingParams
     namespace: str = ""  # the tenant: salts the prefix cache
     priority: int = 0  # lower runs first; ties go to the earlier arrival
+    reads_prefix_cache: bool = True  # False: compute every prompt token (prompt logprobs)
+    share: TenantShare = field(default_factory=TenantShare)
     arrival_s: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
@@ -70,10 +93,6 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
-
-    @property
-    def sort_key(self) -> tuple[int, float]:
-        return (self.priority, self.arrival_s)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import math
 import pytest
 from hypothesis import assume, given, settings
 
-from ctxwarden.checkpoint import default_model_path
+from ctxwarden.spec.checkpoint import default_model_path
 from ctxwarden.context import tokenizers as tk
 from ctxwarden.context.tokenizers import load_tokenizer
 from ctxwarden.errors import UnknownTokenizer

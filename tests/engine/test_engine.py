@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from ctxwarden.errors import ContextLengthExceeded, KVCapacityExceeded
+from ctxwarden.errors import ContextLengthExceeded, KVCapacityExceeded, TokenizerError
 from ctxwarden.llm import LLM
 from ctxwarden.request import FinishReason
 from ctxwarden.sampling import SamplingParams
@@ -26,7 +26,7 @@ def _page_bytes(llm):
 def _assert_clean(llm):
     stats = llm.engine.stats()
     assert stats.kv.num_blocks_in_use == 0
-    report = llm.engine.kv.audit(live_seq_ids=())
+    report = llm.engine.audit()
     assert report.is_clean, report.findings
 
 
@@ -76,7 +76,7 @@ def test_prompt_over_window_is_refused_at_once(tiny_dir):
     msg = str(e.value)
     assert "1024" in msg and "1000" in msg and "100" in msg
     assert isinstance(e.value, ValueError)
-    assert not llm.engine.scheduler.has_work and llm.engine.stats().kv.num_blocks_in_use == 0
+    assert not llm.engine.has_unfinished_requests and llm.engine.stats().kv.num_blocks_in_use == 0
 
 
 def test_prompt_over_the_whole_pool_is_refused_not_queued(tiny_dir):
@@ -85,11 +85,11 @@ def test_prompt_over_the_whole_pool_is_refused_not_queued(tiny_dir):
     with pytest.raises(KVCapacityExceeded) as e:
         llm.generate([[5] * 150], SamplingParams(max_tokens=20))
     assert "10" in str(e.value) and "160" in str(e.value)
-    assert not llm.engine.scheduler.has_work
+    assert not llm.engine.has_unfinished_requests
     # a batch with one impossible prompt queues none of them
     with pytest.raises(KVCapacityExceeded):
         llm.generate([[5] * 10, [5] * 150], SamplingParams(max_tokens=20))
-    assert not llm.engine.scheduler.has_work
+    assert not llm.engine.has_unfinished_requests
     assert llm.generate([[5] * 100], SamplingParams(max_tokens=60, ignore_eos=True))[0].finish_reason == "length"
 
 
@@ -125,7 +125,7 @@ def test_prefix_cache_hits_within_a_namespace_only(tiny_dir):
     assert again.num_cached_tokens == 192  # 12 full blocks; the last prompt token is recomputed
     assert other.num_cached_tokens == 0
     assert first.output_token_ids == again.output_token_ids == other.output_token_ids
-    assert eng.kv.stats().num_cross_namespace_hits == 0
+    assert eng.stats().kv.num_cross_namespace_hits == 0
 
 
 def test_seeded_sampling_is_reproducible(tiny_dir):
@@ -179,7 +179,7 @@ def test_a_failed_step_ends_its_requests_and_leaks_nothing(tiny_dir, monkeypatch
     req = eng.add_request(prompt, GREEDY)
     outs = eng.step()
     assert [(o.finish_reason, o.error) for o in outs] == [(FinishReason.ERROR, "RuntimeError: simulated device fault")]
-    assert eng.stats().kv.num_blocks_in_use == 0 and not eng.scheduler.has_work
+    assert eng.stats().kv.num_blocks_in_use == 0 and not eng.has_unfinished_requests
     monkeypatch.setattr(eng.runner, "forward", real_forward)
     # the failed step's blocks were never written: the same prompt must not hit them
     again = eng.add_request(prompt, GREEDY)
@@ -255,3 +255,49 @@ def test_sliding_window_engine_releases_blocks_and_keeps_outputs(sliding_dir, mo
     # a rolling window cannot be swapped back in whole: sliding layouts always recompute
     assert tight.engine.stats().num_preemptions_swap == 0
     _assert_clean(tight)
+
+
+def test_prompt_logprobs_take_no_prefix_hit_but_leave_their_blocks_for_others(tiny_dir):
+    """Scoring a prompt computes every position (no hit), under the tenant's real namespace:
+    its full blocks are registered, so a plain request of the same tenant hits them."""
+    prompt = _prompts(1, 200, 200, seed=9)[0]
+    scoring = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=0)
+
+    def run(eng, params, ns="t"):
+        req = eng.add_request(prompt, params, namespace=ns)
+        while not req.is_finished:
+            eng.step()
+        return req
+
+    eng = LLM(str(tiny_dir), kv_memory="8MiB").engine
+    plain = run(eng, GREEDY)
+    assert run(eng, scoring).num_cached_tokens == 0  # a hit was there to take: not taken
+    eng = LLM(str(tiny_dir), kv_memory="8MiB").engine
+    first = run(eng, scoring)
+    assert first.num_cached_tokens == 0 and len(first.prompt_logprobs) == len(prompt)
+    assert run(eng, GREEDY).num_cached_tokens == 192  # the scored request's 12 full blocks
+    assert run(eng, GREEDY, ns="other").num_cached_tokens == 0
+    assert plain.output_token_ids[:2] == first.output_token_ids
+
+
+def test_a_malformed_tokenizer_is_an_error_not_a_missing_tokenizer(tiny_dir, tmp_path):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_dir, broken)
+    (broken / "tokenizer.json").write_text("{ not json")
+    with pytest.raises(TokenizerError, match="tokenizer.json cannot be read as a tokenizer"):
+        LLM(str(broken), kv_memory="8MiB")
+    (broken / "tokenizer.json").unlink()
+    assert LLM(str(broken), kv_memory="8MiB").tokenizer is None  # none shipped: token ids only
+
+
+def test_engine_options_in_either_dtype_vocabulary_and_named_errors():
+    from ctxwarden.engine.config import EngineConfig
+
+    assert EngineConfig(dtype="bfloat16").kv_dtype == "bf16" == EngineConfig(dtype="bf16").dtype
+    assert EngineConfig(dtype="float32", kv_dtype="bfloat16").kv_dtype == "bf16"
+    with pytest.raises(ValueError, match="int3.*fp32, bf16, fp16"):
+        EngineConfig(dtype="int3")
+    with pytest.raises(TypeError, match="unknown engine option.*kv_memroy"):
+        EngineConfig.build(kv_memroy="1GiB")

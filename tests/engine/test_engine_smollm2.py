@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ctxwarden import SamplingParams
-from ctxwarden.checkpoint import default_model_path
+from ctxwarden.spec.checkpoint import default_model_path
 
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 

@@ -37,3 +37,18 @@ class FakeClock:
 @pytest.fixture
 def clock():
     return FakeClock()
+
+
+def slots(m, seq_id, start_pos: int, stop_pos: int, group_index: int = 0) -> list[int]:
+    """Pool rows of positions [start_pos, stop_pos) of one group, as the runner computes them
+    (page * block_size + offset) from the manager's block tables. LookupError where a window
+    released the block or the position has no slot yet."""
+    if not 0 <= start_pos <= stop_pos <= m.num_tokens(seq_id):
+        raise LookupError(f"positions [{start_pos}, {stop_pos}) are outside the slotted tokens")
+    table, bs = m.block_tables(seq_id)[group_index], m.block_size
+    out = []
+    for p in range(start_pos, stop_pos):
+        if table[p // bs] is None:
+            raise LookupError(f"position {p} lies in a block the window released")
+        out.append(table[p // bs] * bs + p % bs)
+    return out

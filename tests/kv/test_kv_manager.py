@@ -1,11 +1,11 @@
 """KVCacheManager on hand-written scenarios: exact block ids, hits, eviction order, errors."""
 
 import pytest
-from conftest import uniform_layout
+from conftest import slots, uniform_layout
 
 import ctxwarden.kv.manager as manager_module
-from ctxwarden.errors import (DoubleFree, KVPoolExhausted, KVSlotReleased, SequenceExists,
-                              UnknownSequence, UseAfterFree)
+from ctxwarden.errors import (DoubleFree, KVPoolExhausted, SequenceExists, UnknownSequence,
+                              UseAfterFree)
 from ctxwarden.kv import KVCacheManager, root_hash
 
 
@@ -130,13 +130,13 @@ def test_sequence_lifecycle_errors():
         m.allocate("e", [])
 
 
-def test_slot_mapping():
+def test_slots_from_block_tables():
     m = make()
     m.allocate("other", [9])  # block 0
     m.allocate("a", list(range(6)))  # blocks 1, 2
-    assert m.slot_mapping("a", 0, 6) == [4, 5, 6, 7, 8, 9]
-    with pytest.raises(KVSlotReleased):
-        m.slot_mapping("a", 5, 7)  # position 6 has no slot yet
+    assert slots(m, "a", 0, 6) == [4, 5, 6, 7, 8, 9]
+    with pytest.raises(LookupError):
+        slots(m, "a", 5, 7)  # position 6 has no slot yet
 
 
 def test_namespaces_never_share_blocks():

@@ -1,11 +1,10 @@
 """Sliding windows and sink mode: exact release, pinning, and the planner's bound."""
 
 import pytest
-from conftest import hybrid_layout, sink_layout
+from conftest import hybrid_layout, sink_layout, slots
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ctxwarden.errors import KVSlotReleased
 from ctxwarden.kv import KVCacheManager
 from ctxwarden.plan.kv import KVGroup, KVLayout, blocks_needed, group_blocks_needed
 
@@ -25,9 +24,9 @@ def test_sliding_window_releases_blocks_wholly_outside_it():
     m.append("a", [12])
     assert m.block_tables("a") == ([None, 1, 2, 3],)
     assert m.pool.evictable_block_ids() == [0]  # full, so its content stays cached
-    with pytest.raises(KVSlotReleased, match="released"):
-        m.slot_mapping("a", 3, 5)
-    assert m.slot_mapping("a", 4, 13) == [4, 5, 6, 7, 8, 9, 10, 11, 12]
+    with pytest.raises(LookupError, match="released"):
+        slots(m, "a", 3, 5)
+    assert slots(m, "a", 4, 13) == [4, 5, 6, 7, 8, 9, 10, 11, 12]
 
 
 def test_sink_blocks_stay_pinned_while_the_rest_rolls():
@@ -41,7 +40,7 @@ def test_sink_blocks_stay_pinned_while_the_rest_rolls():
     table = m.block_tables("a")[0]
     # the step from 39 reads 32..39 (blocks 8, 9) plus the sink block 0
     assert table[0] == 0 and [j for j, b in enumerate(table) if b is not None] == [0, 8, 9]
-    assert m.slot_mapping("a", 0, 4) == [0, 1, 2, 3]
+    assert slots(m, "a", 0, 4) == [0, 1, 2, 3]
 
 
 def test_prefix_hit_in_a_sliding_group_takes_only_the_window():
@@ -107,6 +106,6 @@ def _check_step_reads(m, layout, n_before):
     n = m.num_tokens("s")
     for g, group in enumerate(layout.groups):
         start = 0 if group.window_tokens is None else max(0, n_before - group.window_tokens + 1)
-        assert len(m.slot_mapping("s", start, n, g)) == n - start
+        assert len(slots(m, "s", start, n, g)) == n - start
         sinks = min(layout.sink_tokens, n) if group.window_tokens else 0
-        assert len(m.slot_mapping("s", 0, sinks, g)) == sinks
+        assert len(slots(m, "s", 0, sinks, g)) == sinks

@@ -11,8 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
-from ctxwarden.checkpoint import default_model_path, resolve_checkpoint
-from ctxwarden.config import load_model_config, parse_bytes
+from ctxwarden.spec.checkpoint import default_model_path, resolve_checkpoint
+from ctxwarden.spec.model_spec import load_model_config, parse_model_config
+from ctxwarden.units import parse_bytes
 from ctxwarden.errors import ConfigError, ModelNotFound
 from ctxwarden.plan import blocks_needed, group_blocks_needed, kv_layout, plan_memory
 from ctxwarden.plan.train import plan_training
@@ -122,6 +123,9 @@ def test_unknown_family_names_file_and_field(tmp_path):
     ({"num_hidden_layers": "32"}, "num_hidden_layers"),
     ({"hidden_size": None}, "hidden_size"),
     ({"num_key_value_heads": 7}, "num_key_value_heads"),
+    ({"num_key_value_heads": 0}, "num_key_value_heads"),
+    ({"num_attention_heads": 0}, "num_attention_heads"),
+    ({"rms_norm_eps": None}, "rms_norm_eps"),
     ({"layer_types": ["full_attention"]}, "layer_types"),
     ({"rope_scaling": {"rope_type": "linear"}}, "rope_scaling.factor"),
     ({"rope_scaling": {"rope_type": "wavy", "factor": 2}}, "rope_scaling.rope_type"),
@@ -201,3 +205,9 @@ def test_parameter_counts_match_published_sizes(name, billions):
 
     n = count_parameters(load_model_config(CONFIGS / f"{name}.json"))
     assert abs(n / 1e9 - billions) / billions < 0.01
+
+
+def test_an_unknown_checkpoint_dtype_is_a_config_error_not_two_bytes():
+    raw = json.loads((CONFIGS / "llama-3.1-8b.json").read_text())
+    with pytest.raises(ConfigError, match="torch_dtype.*'int3'"):
+        parse_model_config({**raw, "torch_dtype": "int3"}, source="x.json")

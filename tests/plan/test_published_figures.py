@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from ctxwarden.checkpoint import resolve_checkpoint
-from ctxwarden.config import FULL, SLIDING, load_model_config
+from ctxwarden.spec.checkpoint import resolve_checkpoint
+from ctxwarden.spec.model_spec import FULL, SLIDING, load_model_config
 from ctxwarden.plan import kv_bytes_per_token, kv_layout, plan_checkpoint
 
 CONFIGS = Path(__file__).resolve().parents[1] / "fixtures" / "configs"

@@ -69,7 +69,7 @@ class PageAllocator:
 def make_runner(model_dir: Path, block_size: int, max_tokens: int, num_seqs: int = 1,
                 **config) -> ModelRunner:
     """A runner whose pool holds `num_seqs` sequences of `max_tokens` in every group."""
-    from ctxwarden.checkpoint import resolve_checkpoint
+    from ctxwarden.spec.checkpoint import resolve_checkpoint
     from ctxwarden.plan.kv import kv_layout
 
     spec = resolve_checkpoint(model_dir).spec

@@ -43,3 +43,24 @@ def test_cli_refuses_bad_options(tmp_path, argv, message):
     proc = subprocess.run([sys.executable, "-m", "ctxwarden", "make-model", "--out", str(tmp_path / "x"), *argv],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and message in proc.stderr
+
+
+def test_tokenizer_is_trained_on_the_shipped_text_wherever_it_runs(tmp_path):
+    """The default training text is the package's own: the same tokenizer as training on a
+    directory holding exactly that text, from any working directory."""
+    import gzip
+    from importlib import resources
+
+    from ctxwarden.models.random_checkpoint import write_tokenizer
+
+    shipped = resources.files("ctxwarden.models").joinpath("data/tokenizer_text.txt.gz").read_bytes()
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "text.txt").write_text(gzip.decompress(shipped).decode("utf-8"))
+    for name, corpus_dir in (("default", None), ("explicit", corpus)):
+        (tmp_path / name).mkdir()
+        write_tokenizer(tmp_path / name, 400, 128, corpus_dir)
+    # an explicit corpus is capped at 400K characters; the shipped text is below that
+    assert len(gzip.decompress(shipped)) < 400_000
+    assert (tmp_path / "default" / "tokenizer.json").read_text() == \
+        (tmp_path / "explicit" / "tokenizer.json").read_text()

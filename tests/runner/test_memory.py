@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ctxwarden.checkpoint import resolve_checkpoint
+from ctxwarden.spec.checkpoint import resolve_checkpoint
 from ctxwarden.plan import plan_memory
 from ctxwarden.runner import ModelRunner, RunnerConfig
 

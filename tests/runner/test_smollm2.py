@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from ctxwarden.checkpoint import default_model_path
+from ctxwarden.spec.checkpoint import default_model_path
 from ctxwarden.runner import ModelRunner, RunnerConfig
 from runner_parity import hf_model, hf_reference, paged_run
 

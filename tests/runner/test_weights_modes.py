@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ctxwarden.checkpoint import default_model_path
+from ctxwarden.spec.checkpoint import default_model_path
 from ctxwarden.context.tokenizers import load_tokenizer
 from ctxwarden.runner import ForwardBatch, ModelRunner, RunnerConfig, SequenceInput
 from test_kernels import ext

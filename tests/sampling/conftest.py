@@ -7,7 +7,7 @@ import pytest
 def smollm2_tokenizer():
     """The `tokenizers.Tokenizer` behind SmolLM2-135M-Instruct (byte-level BPE, 49,152 ids)."""
     transformers = pytest.importorskip("transformers")
-    from ctxwarden.checkpoint import default_model_path
+    from ctxwarden.spec.checkpoint import default_model_path
 
     path = default_model_path()
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent),

@@ -150,7 +150,7 @@ def _serve(config: ServerConfig):
 @pytest.fixture(scope="session")
 def tiny_server(tiny_dir, key_file):
     """The tiny model behind two tenants' keys."""
-    with _serve(ServerConfig(model=str(tiny_dir), kv_memory="8MiB", api_keys=str(key_file),
+    with _serve(ServerConfig.build(model=str(tiny_dir), kv_memory="8MiB", api_keys=str(key_file),
                             max_body_bytes=256 * 1024)) as s:
         yield s
 

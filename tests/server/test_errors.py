@@ -69,7 +69,7 @@ def test_body_over_the_limit_is_413(tiny_server, tiny_model_id):
 
 def test_kv_capacity_exceeded_is_400_not_retryable(tiny_dir, serve):
     # 64 KiB holds 8 blocks of 16 tokens (2 layers x 2 KV heads x 16 dims x fp32 x K,V = 512 B/token).
-    with serve(ServerConfig(model=str(tiny_dir), kv_memory="64KiB")) as s:
+    with serve(ServerConfig.build(model=str(tiny_dir), kv_memory="64KiB")) as s:
         assert s.metric("ctxwarden_kv_blocks_total") == 8
         r = httpx.post(s.url + "/v1/completions", timeout=30,
                        json={"model": s.engines[0].name, "prompt": [5] * 300, "max_tokens": 10})
@@ -79,7 +79,7 @@ def test_kv_capacity_exceeded_is_400_not_retryable(tiny_dir, serve):
 
 def test_queue_full_is_429_with_retry_after(long_window_dir, serve):
     # The first request would run for 8000 tokens (seconds); closing its stream aborts it.
-    with serve(ServerConfig(model=str(long_window_dir), kv_memory="16MiB", max_num_seqs=1, max_waiting=1)) as s:
+    with serve(ServerConfig.build(model=str(long_window_dir), kv_memory="16MiB", max_num_seqs=1, max_waiting=1)) as s:
         model = s.engines[0].name
         body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 8000, "ignore_eos": True, "stream": True}
         with httpx.Client(base_url=s.url, timeout=30) as c1, httpx.Client(base_url=s.url, timeout=30) as c2:
@@ -100,7 +100,7 @@ def test_queue_full_is_429_with_retry_after(long_window_dir, serve):
 def test_loading_is_503_with_retry_after(tiny_dir):
     # No lifespan runs under ASGITransport, so the model never finishes loading: the app
     # answers exactly as it does during a real load.
-    app = create_app(ServerConfig(model=str(tiny_dir)))
+    app = create_app(ServerConfig.build(model=str(tiny_dir)))
 
     async def go():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
@@ -110,3 +110,13 @@ def test_loading_is_503_with_retry_after(tiny_dir):
     for r in asyncio.run(go()):
         err = _error(r, 503)
         assert r.headers["retry-after"] == "1" and "loading" in err["message"]
+
+
+def test_bad_engine_options_are_named_before_anything_loads():
+    with pytest.raises(ValueError, match="dtype 'int3' is not one of fp32, bf16, fp16"):
+        ServerConfig.build(dtype="int3")
+    with pytest.raises(TypeError, match="unknown engine option"):
+        ServerConfig.build(kv_memroy="1GiB")
+    config = ServerConfig.build(dtype="bfloat16", fallback_model="x", block_size=32)
+    assert [c.model for c in config.engine_configs()] == [None, "x"]
+    assert {c.block_size for c in config.engine_configs()} == {32} and config.engine.max_waiting == 256

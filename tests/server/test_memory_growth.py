@@ -41,7 +41,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ctxwarden.checkpoint import default_model_path
+from ctxwarden.spec.checkpoint import default_model_path
 
 BUCKET = 64
 # one prompt per bucket up to 1,216 tokens, then full 2,048-token steps (4 long prompts at

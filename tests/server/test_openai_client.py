@@ -159,4 +159,4 @@ def test_abort_mid_stream_frees_blocks(tiny_server, openai_client, tiny_model_id
     assert tiny_server.metric("ctxwarden_requests_total", status="499") == before + 1
     generated = tiny_server.engine_call(lambda e: e.stats().num_generated_tokens) - generated_before
     assert generated < 900  # it was cut short, not run to the end
-    assert tiny_server.engine_call(lambda e: e.kv.audit(live_seq_ids=()).is_clean)
+    assert tiny_server.engine_call(lambda e: e.audit().is_clean)

@@ -23,7 +23,7 @@ BUDGET_S = 40.0
 def test_fuzzed_requests_never_get_a_5xx(small_window_dir, serve, mode):
     from schemathesis import GenerationMode
 
-    with serve(ServerConfig(model=str(small_window_dir), kv_memory="8MiB", max_waiting=64)) as s:
+    with serve(ServerConfig.build(model=str(small_window_dir), kv_memory="8MiB", max_waiting=64)) as s:
         schema = schemathesis.openapi.from_url(s.url + "/openapi.json")
         strategy = schema.as_strategy(GenerationMode.POSITIVE if mode == "positive" else GenerationMode.NEGATIVE)
         started, statuses, model = time.monotonic(), [], s.engines[0].name

@@ -12,7 +12,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France? Answer i
 
 @pytest.fixture(scope="module")
 def smol(serve):
-    with serve(ServerConfig(kv_memory="128MiB")) as s:
+    with serve(ServerConfig.build(kv_memory="128MiB")) as s:
         yield s
 
 

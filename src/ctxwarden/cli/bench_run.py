@@ -33,7 +33,7 @@ def corpus_text() -> str:
 
 def workload_inputs(name: str, quick: bool, weights: str) -> dict:
     """The token ids and settings every peer of one workload gets."""
-    from ctxwarden.checkpoint import default_model_path
+    from ctxwarden.spec.checkpoint import default_model_path
     from ctxwarden.context.tokenizers import load_tokenizer
 
     num_prompts, num_tokens, num_new = SIZES[name]

@@ -10,7 +10,8 @@ HELP = "Generate text for one prompt with the paged engine."
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF model directory or .gguf (default: SmolLM2-135M-Instruct)")
+    from ctxwarden.cli._engine_args import add_engine_arguments
+
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", help="read the prompt from a file ('-' for stdin)")
@@ -23,24 +24,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
-    p.add_argument("--kv-memory", default="1GiB", help="KV pool size, e.g. 1GiB")
-    p.add_argument("--max-batched-tokens", type=int, default=2048, help="prefill chunk size")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--weights", default=None, choices=["auto", "fp32", "bf16", "int8", "int4"],
-                   help="how projections are stored (default auto)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_engine_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
+    from ctxwarden.cli._engine_args import engine_config_from_args
     from ctxwarden.llm import LLM
     from ctxwarden.sampling import SamplingParams
 
     text = _read_prompt(args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
-    llm = LLM(args.model, kv_memory=args.kv_memory, dtype=args.dtype,
-              max_batched_tokens=args.max_batched_tokens,
-              **({"weights": args.weights} if args.weights else {}))
+    llm = LLM.from_config(engine_config_from_args(args))
     prompt = llm.apply_chat_template(_messages(args, text)) if args.chat else text
     if args.stream and not args.json:
         for out in llm.stream(prompt, params):

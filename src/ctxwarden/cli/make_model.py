@@ -29,8 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sliding-window", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-tokenizer", action="store_true", help="weights and config only")
-    p.add_argument("--corpus", default=None, help="text directory for the tokenizer "
-                                                  "(default: shared/corpora, else built-in text)")
+    p.add_argument("--corpus", default=None, help="text directory to train the tokenizer on "
+                                                  "(default: the Austen excerpts shipped with ctxwarden)")
     p.add_argument("--json", action="store_true", help="print what was written as JSON")
 
 

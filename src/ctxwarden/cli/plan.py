@@ -32,8 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ctxwarden.checkpoint import resolve_checkpoint
-    from ctxwarden.config import parse_bytes
+    from ctxwarden.spec.checkpoint import resolve_checkpoint
+    from ctxwarden.units import parse_bytes
     from ctxwarden.plan import plan_checkpoint
     from ctxwarden.plan.train import FORMULA, plan_training
 
@@ -75,6 +75,15 @@ def _gib(n: int | None) -> str:
     return "-" if n is None else f"{n / 1024**3:,.2f} GiB"
 
 
+def _render_defaulted(console, plan) -> None:
+    """The fields config.json left out and the value each took from its family's defaults."""
+    if not plan.defaulted:
+        console.print("defaulted: none (config.json states every field the plan reads)")
+        return
+    shown = ", ".join(f"{name}={value!r}" for name, value in plan.defaulted.items())
+    console.print(f"defaulted (not in config.json, {plan.model_type} class defaults): {shown}")
+
+
 def _render(plan, train, formula: str, plot_path: str | None) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -108,6 +117,7 @@ def _render(plan, train, formula: str, plot_path: str | None) -> None:
                       f"{k.kv_bytes_per_token:,}", f"{k.kv_bytes_per_sequence:,}",
                       f"{k.kv_bytes_per_sequence_blocks:,}")
     c.print(kinds)
+    _render_defaulted(c, plan)
     if train:
         tt = Table(title=f"training, {train.sequence_tokens:,} tokens x {train.micro_batch}, "
                          f"{train.param_dtype} + Adam ({train.parameters / 1e9:.2f} B params)", show_header=False)

@@ -1,7 +1,9 @@
 """`ctxwarden serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn).
 
 SIGTERM (or Ctrl+C) drains: new requests get 503 + Retry-After, running ones finish (up
-to --drain-timeout), then the server exits 0. A second signal exits at once.
+to --drain-timeout), then the server exits 0. A second signal exits at once. If an engine
+dies, every request gets a 503 at once, /health turns 503, and the server exits 1 as soon
+as nothing is in flight, so a supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF model directory or .gguf (default: SmolLM2-135M-Instruct)")
+    from ctxwarden.cli._engine_args import add_engine_arguments
+    from ctxwarden.engine.config import SERVER_MAX_QUEUE_DELAY_S, SERVER_MAX_WAITING
+
     p.add_argument("--fallback-model", default=None,
-                   help="a larger-window model that serves prompts over --model's window")
+                   help="a larger-window model that serves prompts over --model's window (same engine options)")
     p.add_argument("--served-model-name", default=None, help="the primary model's id in the API")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
@@ -27,36 +31,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="file of 'API_KEY TENANT_NAME' lines (# comments); without it, no auth, one tenant")
     p.add_argument("--allow-anonymous", action="store_true",
                    help="allow a non-loopback --host without --api-keys")
-    p.add_argument("--kv-memory", default="1GiB", help="KV pool size per model, e.g. 1GiB")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
-    p.add_argument("--max-waiting", type=int, default=256, help="waiting-queue bound (429 past it)")
-    p.add_argument("--max-batched-tokens", type=int, default=2048, help="tokens per engine step")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="413 past this request size")
     p.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to let requests finish on SIGTERM")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--weights", default=None, choices=["auto", "fp32", "bf16", "int8", "int4"],
-                   help="how projections are stored (default auto: a GGUF's Q4_x/Q8_0 kept quantized)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_engine_arguments(p, max_waiting=SERVER_MAX_WAITING, max_queue_delay_s=SERVER_MAX_QUEUE_DELAY_S)
 
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from ctxwarden.cli._engine_args import engine_config_from_args
     from ctxwarden.server.app import RequestIdLogFilter, ServerConfig, create_app
 
     _check_exposure(args)
-    config = ServerConfig(model=args.model, fallback_model=args.fallback_model,
-                          served_model_name=args.served_model_name, kv_memory=args.kv_memory,
-                          max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
-                          max_batched_tokens=args.max_batched_tokens, dtype=args.dtype,
-                          api_keys=args.api_keys, max_body_bytes=args.max_body_bytes,
-                          drain_timeout_s=args.drain_timeout, weights=args.weights)
+    config = ServerConfig(engine=engine_config_from_args(args), fallback_model=args.fallback_model,
+                          served_model_name=args.served_model_name, api_keys=args.api_keys,
+                          max_body_bytes=args.max_body_bytes, drain_timeout_s=args.drain_timeout)
     _configure_logging(args.log_level, RequestIdLogFilter())
     app = create_app(config)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_config=None,
                                            log_level=args.log_level, timeout_graceful_shutdown=5))
     server.state, server.drain_timeout_s = app.state.server, args.drain_timeout
     server.run()
+    if server.state.phase == "failed":
+        logging.getLogger("ctxwarden.server").critical("exiting with status 1: %s", server.state.failure)
+        return 1
     return 0
 
 
@@ -100,6 +99,9 @@ def _server_class():
             super().handle_exit(sig, frame)
 
         async def on_tick(self, counter: int) -> bool:
+            if self.state is not None and self.state.phase == "failed" and self.state.engines \
+                    and self.state.in_flight == 0:
+                self.should_exit = True  # a dead engine: every request has had its 503
             if self._drain_deadline is not None and not self.should_exit:
                 if self.state.in_flight == 0 or time.monotonic() > self._drain_deadline:
                     self.should_exit = True

@@ -24,9 +24,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ctxwarden.gguf_header import read_gguf_metadata
+from ctxwarden.spec.gguf_header import read_gguf_metadata
 from ctxwarden.context.template import render_chat_template
-from ctxwarden.errors import ConfigError, UnknownTokenizer
+from ctxwarden.errors import ConfigError, NoTokenizer, TokenizerError, UnknownTokenizer
 
 TIKTOKEN_ENCODINGS = ("cl100k_base", "o200k_base")
 _TIKTOKEN_ALIASES = {"cl100k": "cl100k_base", "o200k": "o200k_base", "gpt-4": "cl100k_base",
@@ -298,7 +298,7 @@ def available_tokenizer_names() -> list[str]:
 @functools.lru_cache(maxsize=16)
 def _load_cached(key: str) -> Tokenizer:
     if key in DEFAULT_NAMES:
-        from ctxwarden.checkpoint import default_model_path
+        from ctxwarden.spec.checkpoint import default_model_path
 
         return load_gguf_tokenizer(default_model_path(), name="SmolLM2-135M-Instruct")
     if key == ESTIMATE_NAME:
@@ -336,7 +336,12 @@ def load_hf_tokenizer(model_dir: str | Path, tokenizer_file: Path | None = None)
     from tokenizers import Tokenizer as RustTokenizer
 
     model_dir = Path(model_dir)
-    tok = RustTokenizer.from_file(str(tokenizer_file or model_dir / "tokenizer.json"))
+    path = tokenizer_file or model_dir / "tokenizer.json"
+    try:
+        tok = RustTokenizer.from_file(str(path))
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises a bare Exception
+        raise TokenizerError(f"{path} cannot be read as a tokenizer ({e}); fix the file or remove it "
+                             "(a checkpoint without tokenizer.json runs on token ids)") from e
     cfg_path = model_dir / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
     special = {k: _token_text(cfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
@@ -434,6 +439,8 @@ def load_gguf_tokenizer(path: str | Path, name: str | None = None) -> HFTokenize
     """The tokenizer inside a GGUF file, with its chat template and bos/eos ids."""
     path = Path(path)
     meta = read_gguf_metadata(path)
+    if "tokenizer.ggml.tokens" not in meta:
+        raise NoTokenizer(f"{path} holds no tokenizer (no tokenizer.ggml.tokens in its metadata)")
     tok = build_gguf_tokenizer(meta, source=str(path))
     tokens = meta["tokenizer.ggml.tokens"]
     bos_id = meta.get("tokenizer.ggml.bos_token_id")

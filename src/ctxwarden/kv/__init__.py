@@ -13,13 +13,13 @@ never re-derives it. See docs/kv-block-manager.md.
 from ctxwarden.kv.audit import (AuditFinding, AuditReport, OwnerReport, RiskThresholds,
                                 SequenceBlocks, run_audit)
 from ctxwarden.kv.block_pool import BlockPool
-from ctxwarden.kv.block_table import BlockTable, first_needed_block
+from ctxwarden.kv.block_table import BlockTable, BlockTables, first_needed_block
 from ctxwarden.kv.manager import KVAllocation, KVCacheManager, PrefixHit
 from ctxwarden.kv.prefix import extend_chain, hash_block, root_hash
 from ctxwarden.kv.stats import FragmentationStats, KVStats, fragmentation
 
 __all__ = [
-    "AuditFinding", "AuditReport", "BlockPool", "BlockTable", "FragmentationStats",
+    "AuditFinding", "AuditReport", "BlockPool", "BlockTable", "BlockTables", "FragmentationStats",
     "KVAllocation", "KVCacheManager", "KVStats", "OwnerReport", "PrefixHit", "RiskThresholds",
     "SequenceBlocks", "extend_chain", "first_needed_block", "fragmentation", "hash_block",
     "root_hash", "run_audit",

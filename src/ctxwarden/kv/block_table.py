@@ -17,6 +17,9 @@ exactly group_blocks_needed(n + c, bs, w, sink_tokens, c).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
 from ctxwarden.plan.kv import cdiv
 
 
@@ -73,3 +76,33 @@ class BlockTable:
             self.block_ids[j] = None
         self._num_checked = max(self._num_checked, stop)
         return released
+
+
+@dataclass(frozen=True)
+class BlockTables:
+    """A sequence's block tables at one moment, one per layer group: a value, never mutated.
+
+    `groups[g][j]` is the page of logical block j in group g; None where a window released
+    it (or a prefix hit in a sliding group never needed it). This is what the scheduler
+    hands the engine: the runner reads pages, a swap copies them.
+    """
+
+    groups: tuple[tuple[int | None, ...], ...]
+
+    @classmethod
+    def of(cls, tables: Iterable[Sequence[int | None]]) -> "BlockTables":
+        """Freeze per-group lists (as `KVCacheManager.block_tables` returns them)."""
+        return cls(tuple(tuple(t) for t in tables))
+
+    def page_ids(self, filler: int = 0) -> tuple[tuple[int, ...], ...]:
+        """The tables with released entries set to `filler` (the runner never reads them)."""
+        return tuple(tuple(filler if b is None else b for b in t) for t in self.groups)
+
+    def held(self) -> list[tuple[int, int, int]]:
+        """(group, logical block, page) of every page held, group by group."""
+        return [(g, j, b) for g, t in enumerate(self.groups) for j, b in enumerate(t) if b is not None]
+
+    @property
+    def num_held_blocks(self) -> int:
+        """Pages held over every group."""
+        return sum(b is not None for t in self.groups for b in t)

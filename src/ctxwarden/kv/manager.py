@@ -4,7 +4,7 @@ The engine's whole contract with KV memory:
 
     can_allocate(prompt) / allocate(seq, prompt)  -> KVAllocation (tokens hit in the cache)
     can_append(seq, n)   / append(seq, tokens)    -> slots for new tokens (windows roll)
-    block_tables(seq), slot_mapping(seq, ...)     -> what the runner reads and writes
+    block_tables(seq)                             -> what the runner reads and writes
     free(seq)                                     -> released in this call
     stats(), audit(live)                          -> KVStats, AuditReport
 
@@ -26,8 +26,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Hashable, Iterable, Mapping, Sequence
 
-from ctxwarden.errors import (DoubleFree, KVPoolExhausted, KVSlotReleased, SequenceExists,
-                              UnknownSequence, UseAfterFree)
+from ctxwarden.errors import (DoubleFree, KVPoolExhausted, SequenceExists, UnknownSequence,
+                              UseAfterFree)
 from ctxwarden.kv.audit import AuditReport, RiskThresholds, SequenceBlocks, run_audit
 from ctxwarden.kv.block_pool import BlockPool
 from ctxwarden.kv.block_table import BlockTable, first_needed_block
@@ -60,7 +60,9 @@ class PrefixHit:
 
 
 @dataclass
-class _Plan:
+class _Draft:
+    """An allocation worked out but not yet taken: the chain, the hits, what is new."""
+
     chain: list[BlockHash]
     root: BlockHash
     hit_tables: list[list[int | None]]
@@ -108,48 +110,51 @@ class KVCacheManager:
     # --- allocate ---------------------------------------------------------------------
 
     def find_prefix(self, token_ids: Sequence[int], namespace: str = "",
-                    extra_keys: Sequence[str | bytes | int] = ()) -> PrefixHit:
+                    extra_keys: Sequence[str | bytes | int] = (), read_cache: bool = True) -> PrefixHit:
         """How many of the prompt's tokens the cache holds, changing nothing (no counters)."""
-        plan = self._plan(token_ids, namespace, extra_keys, None)
-        return PrefixHit(len(token_ids), plan.num_hit_blocks * self.block_size,
-                         plan.num_new_blocks, plan.num_revived)
+        draft = self._draft(token_ids, namespace, extra_keys, None, read_cache)
+        return PrefixHit(len(token_ids), draft.num_hit_blocks * self.block_size,
+                         draft.num_new_blocks, draft.num_revived)
 
     def can_allocate(self, token_ids: Sequence[int], namespace: str = "",
                      extra_keys: Sequence[str | bytes | int] = (),
-                     max_num_new_tokens: int | None = None) -> bool:
+                     max_num_new_tokens: int | None = None, read_cache: bool = True) -> bool:
         """Whether `allocate` with the same arguments would succeed now."""
-        plan = self._plan(token_ids, namespace, extra_keys, max_num_new_tokens)
-        return plan.num_new_blocks + plan.num_revived <= self.pool.num_available_blocks
+        draft = self._draft(token_ids, namespace, extra_keys, max_num_new_tokens, read_cache)
+        return draft.num_new_blocks + draft.num_revived <= self.pool.num_available_blocks
 
     def allocate(self, seq_id: Hashable, token_ids: Sequence[int], namespace: str = "",
                  extra_keys: Sequence[str | bytes | int] = (),
-                 max_num_new_tokens: int | None = None) -> KVAllocation:
+                 max_num_new_tokens: int | None = None, read_cache: bool = True) -> KVAllocation:
         """Register a sequence with its prompt; share its cached prefix; slot the rest.
 
         Slots go to the hit tokens plus at most `max_num_new_tokens` more (default: the
         whole prompt); chunked prefill slots the remaining prompt tokens with `append`.
+        `read_cache=False` takes no hit (every token is computed, e.g. to score the whole
+        prompt) while the sequence's full blocks are still registered for others to hit.
         Raises SequenceExists, or KVPoolExhausted (changing nothing) when it does not fit.
         """
         if seq_id in self._seqs:
             raise SequenceExists(f"sequence {seq_id!r} already holds KV blocks; free it first")
-        plan = self._plan(token_ids, namespace, extra_keys, max_num_new_tokens)
-        needed = plan.num_new_blocks + plan.num_revived
+        draft = self._draft(token_ids, namespace, extra_keys, max_num_new_tokens, read_cache)
+        needed = draft.num_new_blocks + draft.num_revived
         if needed > self.pool.num_available_blocks:
             raise KVPoolExhausted(needed, self.pool.num_available_blocks, self.pool.num_blocks)
-        self._count_query(len(token_ids), plan.num_hit_blocks * self.block_size)
-        hit_ids = [b for table in plan.hit_tables for b in table if b is not None]
+        if read_cache:
+            self._count_query(len(token_ids), draft.num_hit_blocks * self.block_size)
+        hit_ids = [b for table in draft.hit_tables for b in table if b is not None]
         self.pool.touch(hit_ids)  # before allocating: the allocation must not evict them
-        seq = self._new_sequence(seq_id, namespace, plan, token_ids)
-        seq.num_tokens = plan.num_hit_blocks * self.block_size
-        seq.num_registered_blocks = plan.num_hit_blocks
-        num_new_blocks = self._grow(seq, seq.num_tokens + plan.num_new_tokens)
-        return KVAllocation(seq_id, plan.num_hit_blocks * self.block_size,
-                            plan.num_new_tokens, num_new_blocks, len(hit_ids))
+        seq = self._new_sequence(seq_id, namespace, draft, token_ids)
+        seq.num_tokens = draft.num_hit_blocks * self.block_size
+        seq.num_registered_blocks = draft.num_hit_blocks
+        num_new_blocks = self._grow(seq, seq.num_tokens + draft.num_new_tokens)
+        return KVAllocation(seq_id, draft.num_hit_blocks * self.block_size,
+                            draft.num_new_tokens, num_new_blocks, len(hit_ids))
 
-    def _new_sequence(self, seq_id, namespace, plan: _Plan, token_ids) -> _Sequence:
+    def _new_sequence(self, seq_id, namespace, draft: _Draft, token_ids) -> _Sequence:
         tables = [BlockTable(self.block_size, g.window_tokens, self.layout.sink_tokens, ids)
-                  for g, ids in zip(self.layout.groups, plan.hit_tables)]
-        seq = _Sequence(seq_id, namespace, plan.root, list(token_ids), tables, plan.chain,
+                  for g, ids in zip(self.layout.groups, draft.hit_tables)]
+        seq = _Sequence(seq_id, namespace, draft.root, list(token_ids), tables, draft.chain,
                         self.pool.now_ns())
         self._seqs[seq_id] = seq
         self._freed.pop(seq_id, None)  # an id may come back (recompute after preemption)
@@ -163,7 +168,8 @@ class KVCacheManager:
 
     # --- the prefix lookup --------------------------------------------------------------
 
-    def _plan(self, token_ids, namespace, extra_keys, max_num_new_tokens) -> _Plan:
+    def _draft(self, token_ids, namespace, extra_keys, max_num_new_tokens, read_cache=True) -> _Draft:
+        """What `allocate` would do (hash chain, hits, blocks to take), changing nothing."""
         if len(token_ids) < 1:
             raise ValueError("a sequence needs at least 1 prompt token, got 0")
         if max_num_new_tokens is not None and max_num_new_tokens < 1:
@@ -175,7 +181,8 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             root = root_hash(namespace, tuple(extra_keys))
             extend_chain(chain, root, token_ids, bs, len(token_ids) // bs)
-            hit_tables = self._longest_hit(chain[:(len(token_ids) - 1) // bs], namespace)
+            if read_cache:
+                hit_tables = self._longest_hit(chain[:(len(token_ids) - 1) // bs], namespace)
         num_hit = len(hit_tables[0])
         num_new = len(token_ids) - num_hit * bs
         if max_num_new_tokens is not None:
@@ -183,7 +190,7 @@ class KVCacheManager:
         num_new_blocks = num_groups * (-(-(num_hit * bs + num_new) // bs) - num_hit)
         revived = sum(1 for t in hit_tables for b in t
                       if b is not None and self.pool.ref_count(b) == 0)
-        return _Plan(chain, root, hit_tables, num_hit, num_new, num_new_blocks, revived)
+        return _Draft(chain, root, hit_tables, num_hit, num_new, num_new_blocks, revived)
 
     def _longest_hit(self, chain: list[BlockHash], namespace: str) -> list[list[int | None]]:
         """Per-group hit tables for the largest k every group can serve.
@@ -354,28 +361,6 @@ class KVCacheManager:
     def num_tokens(self, seq_id: Hashable) -> int:
         """Tokens of `seq_id` that have a slot."""
         return self._live(seq_id).num_tokens
-
-    def slot_mapping(self, seq_id: Hashable, start_pos: int, stop_pos: int,
-                     group_index: int = 0) -> list[int]:
-        """Slot of each token position in [start_pos, stop_pos) for one group.
-
-        slot = block_table[p // block_size] * block_size + p % block_size: the row of the
-        runner's [num_blocks * block_size, ...] KV tensor. A position whose block a window
-        released (or that has no slot yet) maps nowhere: KVSlotReleased is raised.
-        """
-        seq = self._live(seq_id)
-        if not 0 <= start_pos <= stop_pos <= seq.num_tokens:
-            raise KVSlotReleased(f"positions [{start_pos}, {stop_pos}) are outside the "
-                                 f"{seq.num_tokens} slotted tokens of {seq_id!r}")
-        ids, bs = seq.tables[group_index].block_ids, self.block_size
-        slots = []
-        for p in range(start_pos, stop_pos):
-            b = ids[p // bs]
-            if b is None:
-                raise KVSlotReleased(f"position {p} of {seq_id!r} lies in a block the "
-                                     f"sliding window of group {group_index} released")
-            slots.append(b * bs + p % bs)
-        return slots
 
     # --- accounting -----------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from ctxwarden.config import RopeConfig
+from ctxwarden.spec.model_spec import RopeConfig
 
 _LENGTH_DEPENDENT = ("dynamic", "longrope")
 

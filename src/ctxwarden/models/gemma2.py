@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from ctxwarden.config import ModelSpec
+from ctxwarden.spec.model_spec import ModelSpec
 from ctxwarden.layers.linear import linear
 from ctxwarden.layers.mlp import gated_mlp
 from ctxwarden.models.llama import LayerWeights, LlamaForCausalLM

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ctxwarden.config import ModelSpec
 from ctxwarden.ext import kernels
+from ctxwarden.spec.model_spec import ModelSpec
 from ctxwarden.layers.linear import LinearWeight, fast_prefill_dtype, linear, pack_linear
 from ctxwarden.layers.quant import QuantizedWeight, rows_of, stack_rows
 from ctxwarden.layers.mlp import activation, gated_mlp

@@ -20,16 +20,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ctxwarden.checkpoint import Checkpoint, resolve_checkpoint
-from ctxwarden.engine_config import WEIGHTS_MODES
+from ctxwarden.engine.config import WEIGHTS_MODES
 from ctxwarden.errors import WeightsError
 from ctxwarden.layers.quant import (GGUF_KINDS, GROUP, Q4, Q8, QuantizedWeight, from_gguf_blocks,
                                     permute_rows, quantize)
+from ctxwarden.spec.checkpoint import Checkpoint, resolve_checkpoint
+from ctxwarden.spec.dtypes import ACTIVATION_DTYPES, DTYPES, canonical_dtype
 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                        "F64": torch.float64}
-_TORCH_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-                 "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 _GGUF_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight",
                 "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
@@ -46,12 +45,9 @@ _GGUF_GEMMA2_LAYER = {**_GGUF_LAYER, "post_attention_norm": "post_attention_laye
 _GGUF_BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype for a config or CLI dtype name (float32/fp32, bfloat16/bf16, ...)."""
-    try:
-        return _TORCH_DTYPES[name]
-    except KeyError:
-        raise ValueError(f"dtype {name!r} is not one of {sorted(_TORCH_DTYPES)}") from None
+def torch_dtype(name: str, allowed: tuple[str, ...] = ACTIVATION_DTYPES, what: str = "dtype") -> torch.dtype:
+    """The torch dtype of a dtype name in either vocabulary (float32 / fp32, bfloat16 / bf16)."""
+    return getattr(torch, DTYPES[canonical_dtype(name, allowed, what)].torch_name)
 
 
 @dataclass(frozen=True)
@@ -125,7 +121,7 @@ class SafetensorsSource(WeightSource):
     def __init__(self, files: tuple[Path, ...]):
         from safetensors import safe_open
 
-        from ctxwarden.checkpoint import read_safetensors_header
+        from ctxwarden.spec.checkpoint import read_safetensors_header
 
         self.infos = {}
         self._handles = {}
@@ -146,14 +142,14 @@ class SafetensorsSource(WeightSource):
 class GGUFSource(WeightSource):
     """One GGUF file: tensors mapped to HF names and dequantised on `get`.
 
-    The header is read with ctxwarden.gguf_header (no gguf.GGUFReader: it builds a view for
+    The header is read with ctxwarden.spec.gguf_header (no gguf.GGUFReader: it builds a view for
     every field and took seconds); each tensor's bytes are read from one memory map.
     """
 
     def __init__(self, path: Path, model_type: str, num_heads: int, num_kv_heads: int):
         from gguf import GGMLQuantizationType
 
-        from ctxwarden.gguf_header import read_gguf_header
+        from ctxwarden.spec.gguf_header import read_gguf_header
 
         self.path, self.model_type = path, model_type
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads

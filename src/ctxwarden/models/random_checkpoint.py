@@ -12,7 +12,9 @@ test that gets the norm convention wrong fails instead of passing by symmetry.
 
 from __future__ import annotations
 
+import gzip
 import json
+from importlib import resources
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,12 +28,11 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-_BUILTIN_TEXT = (
-    "It is a truth universally acknowledged, that a single man in possession of a good "
-    "fortune, must be in want of a wife. The quick brown fox jumps over the lazy dog. "
-    "def main():\n    return 0\n"
-)
-_CORPUS_CHARS = 400_000  # enough text for a few thousand merges, trained in about a second
+# The tokenizer's training text ships with the package (about 50K characters from each of
+# Jane Austen's six novels, public domain): a checkpoint's tokenizer depends only on the
+# options, never on the machine it is made on.
+_TRAINING_TEXT = "data/tokenizer_text.txt.gz"
+_CORPUS_CHARS = 400_000  # of a --corpus directory: a few thousand merges, about a second
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,7 @@ def _arch_config(o: MakeModelOptions) -> dict[str, Any]:
 
 def make_checkpoint(o: MakeModelOptions) -> Path:
     """Write the checkpoint (and tokenizer) into `o.out_dir`; returns the directory."""
-    from ctxwarden.config import parse_model_config
+    from ctxwarden.spec.model_spec import parse_model_config
 
     out = Path(o.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -175,23 +176,13 @@ def write_tokenizer(out: Path, vocab_size: int, max_position: int, corpus_dir: P
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def default_corpus_dir() -> Path | None:
-    """shared/corpora beside the repository (CI keeps a copy there), if present."""
-    here = Path(__file__).resolve()
-    for candidate in (here.parents[3].parent / "shared" / "corpora", Path("/work/shared/corpora")):
-        if candidate.is_dir():
-            return candidate
-    return None
-
-
 def _training_text(corpus_dir: Path | None) -> list[str]:
-    root = corpus_dir or default_corpus_dir()
-    files = sorted(p for p in root.rglob("*") if p.suffix in (".txt", ".rst", ".md")) if root else []
-    texts, budget = [], _CORPUS_CHARS
-    for f in files:
-        if budget <= 0:
-            break
-        text = f.read_text(errors="replace")[: budget // max(len(files), 1) + 1]
-        texts.extend(text.splitlines(keepends=True))
-        budget -= len(text)
-    return texts or [_BUILTIN_TEXT] * 20
+    """Lines of `corpus_dir`'s text files (when given), else of the text shipped with us."""
+    if corpus_dir is None:
+        with resources.files("ctxwarden.models").joinpath(_TRAINING_TEXT).open("rb") as f:
+            return gzip.decompress(f.read()).decode("utf-8").splitlines(keepends=True)
+    files = sorted(p for p in Path(corpus_dir).rglob("*") if p.suffix in (".txt", ".rst", ".md"))
+    if not files:
+        raise FileNotFoundError(f"--corpus {corpus_dir} holds no .txt, .rst or .md file to train on")
+    share = _CORPUS_CHARS // len(files) + 1  # an even share of each file
+    return [line for f in files for line in f.read_text(errors="replace")[:share].splitlines(keepends=True)]

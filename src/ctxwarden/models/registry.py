@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ctxwarden.config import ModelSpec
+from ctxwarden.spec.model_spec import ModelSpec
 from ctxwarden.errors import UnsupportedArchitecture
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2")

@@ -8,9 +8,11 @@ same function admission calls, so the planner and the runtime cannot disagree.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
-from ctxwarden.config import ModelSpec
+from ctxwarden.spec.dtypes import dtype_bytes
+from ctxwarden.spec.model_spec import ModelSpec
 from ctxwarden.plan.kv import (
     KVLayout,
     blocks_needed,
@@ -61,6 +63,8 @@ class MemoryPlan:
     max_context: int | None  # None: every layer rolls, memory never bounds the length
     max_batched_tokens: int
     layer_kinds: tuple[LayerKindPlan, ...]
+    # Fields the config left out -> the value its family's transformers class gave them.
+    defaulted: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -98,7 +102,7 @@ def plan_memory(spec: ModelSpec, *, memory_bytes: int, weights_bytes: int,
         max_tokens_in_pool=num_blocks * block_size // layout.num_groups,
         max_concurrency=num_blocks // per_seq_blocks if per_seq_blocks else 0,
         max_context=max_sequence_tokens(num_blocks, layout, max_batched_tokens),
-        max_batched_tokens=max_batched_tokens, layer_kinds=kinds,
+        max_batched_tokens=max_batched_tokens, layer_kinds=kinds, defaulted=dict(spec.defaulted),
     )
 
 
@@ -140,8 +144,7 @@ def weights_bytes_estimate(spec: ModelSpec) -> int:
     """
     from ctxwarden.plan.params import count_parameters
 
-    dtype_bytes = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}.get(spec.dtype, 2)
-    return count_parameters(spec) * dtype_bytes
+    return count_parameters(spec) * dtype_bytes(spec.dtype)
 
 
 def kv_bytes_at(spec: ModelSpec, layout: KVLayout, context: int) -> dict[str, int]:

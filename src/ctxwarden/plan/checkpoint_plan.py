@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ctxwarden.checkpoint import Checkpoint
+from ctxwarden.spec.checkpoint import Checkpoint
 from ctxwarden.plan.capacity import MemoryPlan, plan_memory, weights_bytes_estimate
 
 

@@ -22,20 +22,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ctxwarden.config import SLIDING, ModelSpec
-
-KV_DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2,
-                  "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+from ctxwarden.spec.dtypes import DTYPES, KV_DTYPES, canonical_dtype
+from ctxwarden.spec.model_spec import SLIDING, ModelSpec
 
 FULL_KIND, SLIDING_KIND, MLA_KIND = "full", "sliding", "mla"
 
 
 def kv_dtype_bytes(kv_dtype: str) -> int:
-    """Bytes per cached element for a KV dtype name (bf16, fp16, fp32, fp8)."""
-    try:
-        return KV_DTYPE_BYTES[kv_dtype.lower()]
-    except KeyError:
-        raise ValueError(f"kv dtype {kv_dtype!r} is not one of bf16, fp16, fp32, fp8") from None
+    """Bytes per cached element for a KV dtype name (bf16, fp16, fp32, fp8, or torch names)."""
+    return DTYPES[canonical_dtype(kv_dtype, KV_DTYPES, "kv dtype")].num_bytes
 
 
 def cdiv(a: int, b: int) -> int:

@@ -6,7 +6,7 @@ files exist, the planner reads their headers instead: a header is exact, this is
 
 from __future__ import annotations
 
-from ctxwarden.config import ModelSpec
+from ctxwarden.spec.model_spec import ModelSpec
 
 
 def count_parameters(spec: ModelSpec) -> int:

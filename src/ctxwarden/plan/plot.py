@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ctxwarden.config import ModelSpec
+from ctxwarden.spec.model_spec import ModelSpec
 from ctxwarden.plan.capacity import MemoryPlan, kv_bytes_at
 from ctxwarden.plan.kv import kv_layout
 

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ctxwarden.config import ModelSpec
+from ctxwarden.spec.dtypes import canonical_dtype, dtype_bytes
+from ctxwarden.spec.model_spec import ModelSpec
 from ctxwarden.plan.params import count_parameters
-
-_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
 FORMULA = """\
     weights      = P * bytes(param dtype)
@@ -51,16 +50,15 @@ def plan_training(spec: ModelSpec, sequence_tokens: int, micro_batch: int = 1,
                   param_dtype: str = "bf16", optimizer_dtype: str = "fp32",
                   flash_attention: bool = True) -> TrainPlan:
     """Estimate training memory for one micro-batch of `sequence_tokens` tokens with Adam."""
-    for name, value in (("param_dtype", param_dtype), ("optimizer_dtype", optimizer_dtype)):
-        if value not in _DTYPE_BYTES:
-            raise ValueError(f"{name} {value!r} is not one of {sorted(_DTYPE_BYTES)}")
+    param_dtype = canonical_dtype(param_dtype, what="param_dtype")
+    optimizer_dtype = canonical_dtype(optimizer_dtype, what="optimizer_dtype")
     if sequence_tokens < 1 or micro_batch < 1:
         raise ValueError("sequence_tokens and micro_batch must be >= 1")
     p = count_parameters(spec)
-    pb = _DTYPE_BYTES[param_dtype]
+    pb = dtype_bytes(param_dtype)
     master = 4 if param_dtype != "fp32" else 0
     weights, grads = p * pb, p * pb
-    optimizer = p * (2 * _DTYPE_BYTES[optimizer_dtype] + master)
+    optimizer = p * (2 * dtype_bytes(optimizer_dtype) + master)
     s, b, h, a = sequence_tokens, micro_batch, spec.hidden_size, spec.num_attention_heads
     scale = pb / 2  # the published constants count 16-bit activations
     attention_term = 0 if flash_attention else 5 * a * s / h

@@ -146,9 +146,9 @@ def _sdpa(q, k, v, s: SequenceKeys, params: AttentionParams):
     # mask tensor at all. A later chunk with every earlier key visible is split in two
     # unmasked calls (see _prefix_then_causal). Otherwise an explicit [n, m] mask.
     no_cut = (params.window_tokens or m) >= m
-    if s.num_cached_tokens == 0 and n == m and no_cut:
+    if s.num_computed_tokens == 0 and n == m and no_cut:
         mask, causal = None, True
-    elif n < m == s.num_cached_tokens + n and no_cut and _FLASH_WITH_LSE is not None:
+    elif n < m == s.num_computed_tokens + n and no_cut and _FLASH_WITH_LSE is not None:
         return _prefix_then_causal(q, k, v, params.scale)
     else:
         mask, causal = _allowed(s.query_positions, s.key_positions, params), False

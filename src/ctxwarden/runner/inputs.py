@@ -4,7 +4,7 @@ A step carries any mix of sequences: a whole prompt, one chunk of a long prompt 
 prefill), or one decode token. For each sequence the runner needs its new token ids, how
 many of its tokens are already cached, one block table per KV group, and which of its new
 rows to return logits for. Positions are implied: the new tokens sit at
-num_cached_tokens, num_cached_tokens + 1, ...
+num_computed_tokens, num_computed_tokens + 1, ...
 
 Block tables map a sequence's logical block i (tokens i*block_size ... ) to a page id of
 the pool. For a windowed group the runner reads only the blocks holding tokens inside the
@@ -26,29 +26,29 @@ class SequenceInput:
     """One sequence's share of a step."""
 
     token_ids: tuple[int, ...]  # the new tokens of this step (>= 1)
-    num_cached_tokens: int  # tokens of this sequence already in the cache (context length)
+    num_computed_tokens: int  # tokens of this sequence whose KV is already in the pool
     block_tables: tuple[tuple[int, ...], ...]  # one per KV group, logical block -> page id
     logits_rows: tuple[int, ...]  # indices into token_ids whose logits to return, ascending
 
     def __post_init__(self):
         if not self.token_ids:
             raise ValueError("a sequence in a forward batch needs at least one new token")
-        if self.num_cached_tokens < 0:
-            raise ValueError(f"num_cached_tokens must be >= 0, got {self.num_cached_tokens}")
+        if self.num_computed_tokens < 0:
+            raise ValueError(f"num_computed_tokens must be >= 0, got {self.num_computed_tokens}")
         n = len(self.token_ids)
         if any(not 0 <= r < n for r in self.logits_rows) or list(self.logits_rows) != sorted(set(self.logits_rows)):
             raise ValueError(f"logits_rows must be ascending distinct indices in [0, {n}), "
                              f"got {self.logits_rows}")
 
     @classmethod
-    def chunk(cls, token_ids, num_cached_tokens: int, block_tables, logits: str = "last"
+    def chunk(cls, token_ids, num_computed_tokens: int, block_tables, logits: str = "last"
               ) -> "SequenceInput":
         """Build one sequence's input; `logits` is 'last' (sampling), 'all' or 'none'."""
         n = len(token_ids)
         rows = {"last": (n - 1,), "all": tuple(range(n)), "none": ()}
         if logits not in rows:
             raise ValueError(f"logits must be 'last', 'all' or 'none', got {logits!r}")
-        return cls(tuple(int(t) for t in token_ids), num_cached_tokens,
+        return cls(tuple(int(t) for t in token_ids), num_computed_tokens,
                    tuple(tuple(int(b) for b in bt) for bt in block_tables), rows[logits])
 
     @property
@@ -58,11 +58,11 @@ class SequenceInput:
     @property
     def context_tokens(self) -> int:
         """Tokens of the sequence once this step has run."""
-        return self.num_cached_tokens + len(self.token_ids)
+        return self.num_computed_tokens + len(self.token_ids)
 
     @property
     def positions(self) -> range:
-        return range(self.num_cached_tokens, self.context_tokens)
+        return range(self.num_computed_tokens, self.context_tokens)
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ class SequenceKeys:
     query_positions: torch.Tensor  # [n] absolute positions of the new tokens
     key_slots: torch.Tensor  # [m] flat slots (page * block_size + offset) to gather
     key_positions: torch.Tensor  # [m] absolute positions of those keys, ascending
-    num_cached_tokens: int
+    num_computed_tokens: int
 
 
 @dataclass(frozen=True)
@@ -176,7 +176,7 @@ def _slots(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> tor
 
 def _key_positions(seq: SequenceInput, window: int | None, sinks: int) -> torch.Tensor:
     """Positions any new query of `seq` may read: the window of the first query, + sinks."""
-    start = 0 if window is None else max(0, seq.num_cached_tokens - window + 1)
+    start = 0 if window is None else max(0, seq.num_computed_tokens - window + 1)
     window_keys = torch.arange(start, seq.context_tokens)
     if sinks and start > 0:
         return torch.cat((torch.arange(min(sinks, start)), window_keys))
@@ -189,12 +189,12 @@ def _group_inputs(batch: ForwardBatch, layout: KVLayout, g: int) -> GroupInputs:
     slot_parts, seqs, start = [], [], 0
     for seq in batch.sequences:
         table = torch.tensor(seq.block_tables[g], dtype=torch.long)
-        q_pos = torch.arange(seq.num_cached_tokens, seq.context_tokens)
+        q_pos = torch.arange(seq.num_computed_tokens, seq.context_tokens)
         k_pos = _key_positions(seq, window, sinks)
         slot_parts.append(_slots(table, q_pos, layout.block_size))
         seqs.append(SequenceKeys(start, start + seq.num_new_tokens, q_pos,
                                  _slots(table, k_pos, layout.block_size), k_pos,
-                                 seq.num_cached_tokens))
+                                 seq.num_computed_tokens))
         start += seq.num_new_tokens
     decode = _decode_keys(seqs, sinks) if batch.is_decode else None
     sink_q = None

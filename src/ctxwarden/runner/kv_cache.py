@@ -18,18 +18,15 @@ import numpy as np
 import torch
 
 from ctxwarden.plan.kv import KVLayout
+from ctxwarden.spec.dtypes import DTYPES, canonical_dtype
 
-_KV_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-              "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+# What this runner can store; the planner also plans fp8, which has no KV path here yet.
+STORABLE_KV_DTYPES = ("fp32", "bf16", "fp16")
 
 
 def kv_torch_dtype(kv_dtype: str) -> torch.dtype:
-    """The torch dtype of a KV dtype name; fp8 is planned for but not stored by this runner."""
-    try:
-        return _KV_DTYPES[kv_dtype.lower()]
-    except KeyError:
-        raise ValueError(f"kv dtype {kv_dtype!r} cannot be allocated by the torch runner; "
-                         f"use one of {sorted(_KV_DTYPES)}") from None
+    """The torch dtype of a KV dtype name this runner can allocate (ValueError otherwise)."""
+    return getattr(torch, DTYPES[canonical_dtype(kv_dtype, STORABLE_KV_DTYPES, "kv dtype")].torch_name)
 
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:

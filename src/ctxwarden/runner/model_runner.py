@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ctxwarden.checkpoint import Checkpoint, resolve_checkpoint
+from ctxwarden.spec.checkpoint import Checkpoint, resolve_checkpoint
 from ctxwarden.plan.kv import KVLayout, kv_layout
 from ctxwarden.runner.attention import AttentionBackend, TorchPagedAttention
 from ctxwarden.runner.inputs import ForwardBatch, build_step_inputs
@@ -45,7 +45,7 @@ class RunnerConfig:
         if self.attention_backend not in _BACKENDS:
             raise ValueError(f"attention_backend {self.attention_backend!r} is not one of "
                              f"{sorted(_BACKENDS)}")
-        from ctxwarden.engine_config import WEIGHTS_MODES
+        from ctxwarden.engine.config import WEIGHTS_MODES
 
         if self.weights not in WEIGHTS_MODES:
             raise ValueError(f"weights must be one of {WEIGHTS_MODES}, got {self.weights!r}")

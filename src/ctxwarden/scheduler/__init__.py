@@ -2,7 +2,7 @@
 
 from ctxwarden.scheduler.policy import PreemptionCost, choose_preemption_mode
 from ctxwarden.scheduler.scheduler import (Preemption, ScheduledSeq, Scheduler, SchedulerConfig,
-                                           SchedulerOutput, SwapIn)
+                                           SchedulerOutput, SchedulerStats, SwapIn)
 
 __all__ = ["Preemption", "PreemptionCost", "ScheduledSeq", "Scheduler", "SchedulerConfig",
-           "SchedulerOutput", "SwapIn", "choose_preemption_mode"]
+           "SchedulerOutput", "SchedulerStats", "SwapIn", "choose_preemption_mode"]

@@ -11,56 +11,76 @@ meanwhile); `create_app(config, engines=[...])` serves engines built by the call
 from __future__ import annotations
 
 import asyncio
-import contextvars
+import ipaddress
 import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
-import anyio
 from fastapi import Depends, FastAPI, Header, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
-from ctxwarden.errors import ContextLengthExceeded
-from ctxwarden.server import errors, responses
+from ctxwarden.engine.config import SERVER_MAX_QUEUE_DELAY_S, SERVER_MAX_WAITING, EngineConfig
+from ctxwarden.errors import ContextLengthExceeded, TenantLimitExceeded
+from ctxwarden.server import errors
 from ctxwarden.server.async_engine import AsyncEngine
+from ctxwarden.server.calls import Call, EventStreamResponse
 from ctxwarden.server.errors import APIError, unavailable
 from ctxwarden.server.generation import Generation, Job, submit
 from ctxwarden.server.metrics import ServerMetrics
+from ctxwarden.server.middleware import RequestContextMiddleware, RequestIdLogFilter, request_id_var
 from ctxwarden.server.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                                        CompletionRequest, CompletionResponse, ErrorResponse,
                                        ModelCard, ModelList)
-from ctxwarden.server.tenants import Tenant, TenantDirectory
+from ctxwarden.server.tenants import Tenant, TenantDirectory, TokenRateLimiter
 
 log = logging.getLogger("ctxwarden.server")
-request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
+__all__ = ["ServerConfig", "ServerState", "create_app", "build_engines", "RequestIdLogFilter", "request_id_var"]
 
 _ERRORS = {s: {"model": ErrorResponse} for s in (400, 401, 404, 413, 429, 500, 503)}
 
 
+_SERVER_FIELDS = ("fallback_model", "served_model_name", "api_keys", "max_body_bytes", "drain_timeout_s")
+
+
+def _server_engine_config() -> EngineConfig:
+    return EngineConfig(max_waiting=SERVER_MAX_WAITING, max_queue_delay_s=SERVER_MAX_QUEUE_DELAY_S)
+
+
 @dataclass(frozen=True)
 class ServerConfig:
-    """How to serve: the model(s), engine sizes, keys and limits."""
+    """How to serve: the engine (one EngineConfig, shared by the fallback), keys and limits."""
 
-    model: str | None = None
-    fallback_model: str | None = None
+    engine: EngineConfig = field(default_factory=_server_engine_config)
+    fallback_model: str | None = None  # same engine options, another model
     served_model_name: str | None = None
-    kv_memory: str = "1GiB"
-    max_num_seqs: int = 64
-    max_waiting: int | None = 256
-    max_batched_tokens: int = 2048
-    dtype: str = "float32"
     api_keys: str | None = None  # path of the key file
     max_body_bytes: int = 4 * 1024 * 1024
     drain_timeout_s: float = 60.0
-    weights: str | None = None  # EngineConfig.weights; None: its default (auto)
 
     def __post_init__(self):
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+
+    @classmethod
+    def build(cls, **options) -> "ServerConfig":
+        """Server fields by name; every other option is an EngineConfig field (as LLM takes).
+
+        The queue is bounded at SERVER_MAX_WAITING and the predicted queue delay at
+        SERVER_MAX_QUEUE_DELAY_S unless `max_waiting` / `max_queue_delay_s` are given.
+        """
+        server = {k: options.pop(k) for k in _SERVER_FIELDS if k in options}
+        options.setdefault("max_waiting", SERVER_MAX_WAITING)
+        options.setdefault("max_queue_delay_s", SERVER_MAX_QUEUE_DELAY_S)
+        return cls(engine=EngineConfig.build(**options), **server)
+
+    def engine_configs(self) -> list[EngineConfig]:
+        """The primary model's engine config, then the fallback's (same options)."""
+        fallback = [replace(self.engine, model=self.fallback_model)] if self.fallback_model else []
+        return [self.engine] + fallback
 
 
 @dataclass
@@ -70,7 +90,7 @@ class ServerState:
     phase: str = "loading"  # loading | ready | draining | failed
     engines: list[AsyncEngine] = field(default_factory=list)  # primary first, then the fallback
     in_flight: int = 0
-    load_error: str | None = None
+    failure: str | None = None  # why the phase is "failed": a load error or a dead engine
 
     def check_ready(self) -> None:
         """Raise 503 + Retry-After unless new requests are accepted now."""
@@ -79,7 +99,11 @@ class ServerState:
         if self.phase == "draining":
             raise unavailable("The server is shutting down and accepts no new requests.")
         if self.phase == "failed":
-            raise unavailable(f"The model failed to load: {self.load_error}")
+            raise unavailable(f"The server cannot serve: {self.failure}; it must be restarted.")
+
+    def fail(self, reason: str) -> None:
+        """Nothing more can be served (/health 503); the process should exit non-zero."""
+        self.failure, self.phase = reason, "failed"
 
     def begin_drain(self) -> None:
         """Refuse new requests from now on (503); running ones continue."""
@@ -103,35 +127,32 @@ class ServerState:
         return self.engines[i:]  # the primary falls back to the next; a fallback has none
 
 
-def build_engines(config: ServerConfig) -> list[AsyncEngine]:
+def build_engines(config: ServerConfig, on_failure=None) -> list[AsyncEngine]:
     """Load the primary (and fallback) model and start their engine threads."""
-    from ctxwarden.engine import Engine
-    from ctxwarden.engine_config import EngineConfig
+    from ctxwarden.engine.engine import Engine
 
-    kv_dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[config.dtype]
     out = []
-    for k, path in enumerate([config.model] + ([config.fallback_model] if config.fallback_model else [])):
-        engine = Engine(EngineConfig.build(kv_memory=config.kv_memory, model=path, dtype=config.dtype,
-                                           kv_dtype=kv_dtype, max_num_seqs=config.max_num_seqs,
-                                           max_waiting=config.max_waiting,
-                                           max_batched_tokens=config.max_batched_tokens,
-                                           **({"weights": config.weights} if config.weights else {})))
+    for k, engine_config in enumerate(config.engine_configs()):
+        engine = Engine(engine_config)
         name = config.served_model_name if (k == 0 and config.served_model_name) else engine.checkpoint.name
-        out.append(AsyncEngine(engine, name))
+        out.append(AsyncEngine(engine, name, on_failure))
     for e in out:
         e.start()
     return out
 
 
 async def _load(state: ServerState, config: ServerConfig) -> None:
+    def on_failure(message: str) -> None:  # on an engine thread: one attribute write each
+        state.fail(f"the engine failed: {message}")
+
     try:
-        state.engines = await asyncio.to_thread(build_engines, config)
+        state.engines = await asyncio.to_thread(build_engines, config, on_failure)
     except Exception as e:  # noqa: BLE001 - reported by /health and every 503
         log.exception("loading the model failed")
-        state.load_error, state.phase = f"{type(e).__name__}: {e}", "failed"
+        state.fail(f"the model failed to load: {type(e).__name__}: {e}")
         return
     state.phase = "ready" if state.phase == "loading" else state.phase
-    log.info("serving %s", ", ".join(f"{e.name} (window {e.window_tokens})" for e in state.engines))
+    log.info("serving %s", ", ".join(f"{e.name} (window {e.max_model_len})" for e in state.engines))
 
 
 def create_app(config: ServerConfig, engines: list[AsyncEngine] | None = None) -> FastAPI:
@@ -139,6 +160,9 @@ def create_app(config: ServerConfig, engines: list[AsyncEngine] | None = None) -
     state = ServerState(phase="ready" if engines else "loading", engines=list(engines or []))
     tenants = TenantDirectory.load(config.api_keys) if config.api_keys else TenantDirectory.open()
     metrics = ServerMetrics()
+    limiter = TokenRateLimiter()
+    for e in state.engines:  # engines built by the caller report their failure here too
+        e.on_failure = e.on_failure or (lambda message: state.fail(f"the engine failed: {message}"))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -152,6 +176,7 @@ def create_app(config: ServerConfig, engines: list[AsyncEngine] | None = None) -
     app = FastAPI(title="ctxwarden", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible API over the ctxwarden paged-KV engine.")
     app.state.server, app.state.metrics, app.state.config = state, metrics, config
+    app.state.limiter = limiter
     errors.install(app)
     app.add_middleware(RequestContextMiddleware, max_body_bytes=config.max_body_bytes)
 
@@ -162,8 +187,21 @@ def create_app(config: ServerConfig, engines: list[AsyncEngine] | None = None) -
             raise APIError(401, msg, "invalid_request_error", code="invalid_api_key")
         return tenant
 
+    async def admin_of(request: Request, tenant: Tenant = Depends(tenant_of)) -> Tenant:
+        """The /debug endpoints: an admin key (role=admin in the key file); without a key
+        file, callers on loopback only."""
+        if tenants.requires_key and not tenant.is_admin:
+            raise APIError(403, "This endpoint needs an admin key (role=admin in the --api-keys file).",
+                           "permission_error", code="admin_required")
+        if not tenants.requires_key and not _is_loopback(request.client.host if request.client else ""):
+            raise APIError(403, "Without --api-keys, /debug answers only on loopback.", "permission_error",
+                           code="admin_required")
+        return tenant
+
+    app.state.admin_of = admin_of  # for the diagnostics routes
     _add_info_routes(app, state, metrics, tenant_of)
-    _add_completion_routes(app, state, metrics, tenant_of)
+    _add_debug_routes(app, state, admin_of)
+    _add_completion_routes(app, _Serving(state, metrics, limiter), tenant_of)
     return app
 
 
@@ -178,25 +216,40 @@ def _add_info_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics, t
     async def models(tenant: Tenant = Depends(tenant_of)) -> ModelList:
         """The served models (the primary first) and their context windows."""
         state.check_ready()
-        return ModelList(data=[ModelCard(id=e.name, context_window=e.window_tokens) for e in state.engines])
+        return ModelList(data=[ModelCard(id=e.name, context_window=e.max_model_len) for e in state.engines])
 
     @app.get("/metrics", response_class=Response)
     async def prometheus() -> Response:
-        """Prometheus text: KV pool, prefix cache, queues, outcomes, latencies."""
-        snapshots = {e.name: await e.call(lambda eng: eng.stats()) for e in state.engines}
+        """Prometheus text, from the snapshot each engine publishes (never waits on a step)."""
+        snapshots = {e.name: e.stats for e in state.engines}
         return Response(metrics.render(snapshots), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-def _add_completion_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics, tenant_of) -> None:
+def _add_debug_routes(app: FastAPI, state: ServerState, admin_of) -> None:
+    @app.get("/debug/engines", responses={403: {"model": ErrorResponse}})
+    async def debug_engines(tenant: Tenant = Depends(admin_of)) -> dict:
+        """Every engine's latest published stats, whole (admin only)."""
+        return {"phase": state.phase, "failure": state.failure,
+                "engines": {e.name: {"failure": e.failure, "stats": asdict(e.stats)} for e in state.engines}}
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host in ("localhost", "testclient")
+
+
+def _add_completion_routes(app: FastAPI, serving: "_Serving", tenant_of) -> None:
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
-    async def completions(body: CompletionRequest, tenant: Tenant = Depends(tenant_of)):
+    async def completions(body: CompletionRequest, request: Request, tenant: Tenant = Depends(tenant_of)):
         """Text completion (legacy API), streamed or not."""
-        return await _serve(state, metrics, _completion_job(body), body, tenant, "cmpl")
+        return await serving.serve(_completion_job(body), body, tenant, "cmpl", request.receive)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
-    async def chat_completions(body: ChatCompletionRequest, tenant: Tenant = Depends(tenant_of)):
+    async def chat_completions(body: ChatCompletionRequest, request: Request, tenant: Tenant = Depends(tenant_of)):
         """Chat completion, streamed or not."""
-        return await _serve(state, metrics, _chat_job(body), body, tenant, "chatcmpl")
+        return await serving.serve(_chat_job(body), body, tenant, "chatcmpl", request.receive)
 
 
 def _sampling(body, logprobs: int | None) -> dict:
@@ -228,244 +281,65 @@ def _completion_job(body: CompletionRequest) -> Job:
     return Job(False, prompts, body.n, body.max_tokens, _sampling(body, body.logprobs), body.seed, "prompt")
 
 
-async def _start(state: ServerState, job: Job, model: str, tenant: Tenant, api_id: str) -> Generation:
-    """Submit on the requested model; an over-window prompt moves on to the fallback model."""
-    candidates = state.route(model)
-    for k, engine in enumerate(candidates):
-        try:
-            return await submit(engine, job, api_id, tenant.namespace)
-        except ContextLengthExceeded as e:
-            if k == len(candidates) - 1:
-                raise errors.from_engine_error(e, job.prompt_param) from e
-            log.info("prompt over %s's window (%d tokens); trying %s", engine.name, e.window_tokens,
-                     candidates[k + 1].name)
-        except Exception as e:  # noqa: BLE001 - every refusal becomes its API error
-            raise errors.from_engine_error(e, job.prompt_param) from e
-    raise AssertionError("route() returns at least one engine")
-
-
-async def _serve(state: ServerState, metrics: ServerMetrics, job: Job, body, tenant: Tenant, prefix: str):
-    """Admit, submit and answer one completion request (JSON or a stream)."""
-    try:
-        state.check_ready()
-        state.in_flight += 1
-    except APIError as e:
-        metrics.count_request(e.status)
-        raise
-    try:
-        api_id = f"{prefix}-{uuid.uuid4().hex}"
-        gen = await _start(state, job, body.model, tenant, api_id)
-    except BaseException as e:
-        state.in_flight -= 1
-        metrics.count_request(e.status if isinstance(e, APIError) else 499)
-        raise
-    log.info("%s: %d choice(s) on %s, tenant %s, %d prompt tokens", api_id, len(gen.choices),
-             gen.engine.name, tenant.name, gen.max_prompt_tokens)
-    call = _Call(state, metrics, gen, api_id, int(time.time()), job, body)
-    if body.stream:
-        return EventStreamResponse(call.events(), media_type="text/event-stream", headers=call.headers(),
-                                   on_close=call.close)
-    return await call.collect()
-
-
 @dataclass
-class _Call:
-    """One admitted request from submission to its last byte."""
+class _Serving:
+    """What every completion request needs: readiness, metrics, the tokens-per-minute books."""
 
     state: ServerState
     metrics: ServerMetrics
-    gen: Generation
-    api_id: str
-    created: int
-    job: Job
-    body: object
-    is_closed: bool = False
+    limiter: TokenRateLimiter
 
-    @property
-    def top_k(self) -> int | None:
-        return self.job.sampling.get("logprobs")
-
-    def headers(self) -> dict[str, str]:
-        """Context headers: the window, the tokens the prompt uses, and what is left."""
-        window, used = self.gen.engine.window_tokens, self.gen.max_prompt_tokens
-        return {"x-request-id": request_id_var.get(), "x-context-window": str(window),
-                "x-context-used": str(used), "x-context-remaining": str(max(0, window - used)),
-                "x-ctxwarden-served-by": self.gen.engine.name}
-
-    async def collect(self) -> JSONResponse:
-        """Wait for every choice; the whole response at once."""
-        status = 499
+    async def serve(self, job: Job, body, tenant: Tenant, prefix: str, receive):
+        """Admit, submit and answer one completion request (JSON or a stream)."""
         try:
-            while not self.gen.is_finished:
-                await self.gen.next()
-            failed = [c for c in self.gen.choices if c.finish_reason == "error"]
-            if failed:
-                status = 500
-                raise APIError(500, f"generation failed: {failed[0].error}", "server_error", code="engine_error")
-            status = 200
-            return JSONResponse(self._response().model_dump(), headers=self.headers())
-        finally:
-            self._finish(status)
-
-    def _response(self):
-        make = responses.chat_response if self.job.is_chat else responses.completion_response
-        return make(self.gen, self.api_id, self.created, self.gen.engine.name, self.top_k)
-
-    async def events(self):
-        """The SSE stream; a client that goes away aborts every unfinished choice."""
-        status, model = 499, self.gen.engine.name
+            self.state.check_ready()
+            self.state.in_flight += 1
+        except APIError as e:
+            self.metrics.count_request(e.status)
+            raise
         try:
-            if self.job.is_chat:
-                for c in self.gen.choices:
-                    yield responses.sse(responses.chat_role_chunk(self.api_id, self.created, model, c.index))
-            else:
-                yield ": admitted\n\n"  # an SSE comment: headers go out now, even while queued
-            while not self.gen.is_finished:
-                choice, out = await self.gen.next()
-                if out.error:
-                    status = 500
-                    yield responses.sse({"error": {"message": f"generation failed: {out.error}",
-                                                   "type": "server_error", "param": None, "code": "engine_error"}})
-                    return
-                if out.text_delta or out.finished or out.new_logprobs:
-                    yield responses.sse(self._chunk(choice, out, model))
-            if self.body.stream_options and self.body.stream_options.include_usage:
-                yield responses.sse(responses.usage_chunk(self.gen, self.api_id, self.created, model, self.job.is_chat))
-            yield "data: [DONE]\n\n"
-            status = 200
-        finally:
-            self._finish(status)
+            api_id = f"{prefix}-{uuid.uuid4().hex}"
+            gen = await self._start(job, body.model, tenant, api_id)
+        except BaseException as e:
+            self.state.in_flight -= 1
+            self.metrics.count_request(e.status if isinstance(e, APIError) else 499)
+            raise
+        log.info("%s: %d choice(s) on %s, tenant %s, %d prompt tokens", api_id, len(gen.choices),
+                 gen.engine.name, tenant.name, gen.max_prompt_tokens)
+        call = Call(self.metrics, gen, api_id, int(time.time()), job, body,
+                    on_settle=lambda c: self._settled(c, tenant))
+        if body.stream:
+            return EventStreamResponse(call.events(), media_type="text/event-stream", headers=call.headers(),
+                                       on_close=call.settle)
+        return await call.collect(receive)
 
-    def _chunk(self, choice, out, model: str):
-        make = responses.chat_chunk if self.job.is_chat else responses.completion_chunk
-        return make(self.gen, choice, out, self.api_id, self.created, model, self.top_k)
+    async def _start(self, job: Job, model: str, tenant: Tenant, api_id: str) -> Generation:
+        """Submit on the requested model (an over-window prompt moves on to the fallback),
+        then book its tokens against the tenant's tokens per minute."""
+        candidates = self.state.route(model)
+        for k, engine in enumerate(candidates):
+            try:
+                gen = await submit(engine, job, api_id, tenant.namespace, tenant.share)
+                return self._book(gen, tenant, job)
+            except ContextLengthExceeded as e:
+                if k == len(candidates) - 1:
+                    raise errors.from_engine_error(e, job.prompt_param) from e
+                log.info("prompt over %s's window (%d tokens); trying %s", engine.name, e.max_model_len,
+                         candidates[k + 1].name)
+            except APIError:
+                raise
+            except Exception as e:  # noqa: BLE001 - every refusal becomes its API error
+                raise errors.from_engine_error(e, job.prompt_param) from e
+        raise AssertionError("route() returns at least one engine")
 
-    def close(self) -> None:
-        """End the call as abandoned by the client, unless it already ended."""
-        self._finish(499)
+    def _book(self, gen: Generation, tenant: Tenant, job: Job) -> Generation:
+        try:
+            self.limiter.reserve(tenant, gen.num_booked_tokens)
+        except TenantLimitExceeded as e:
+            gen.abort_unfinished()  # submitted a moment ago: nothing of it has run yet
+            raise errors.from_engine_error(e, job.prompt_param) from e
+        return gen
 
-    def _finish(self, status: int) -> None:
-        if self.is_closed:
-            return
-        self.is_closed = True
-        aborted = self.gen.abort_unfinished()
-        if aborted:
-            log.info("%s: client went away; aborted %d choice(s)", self.api_id, aborted)
-        self._observe_latency()
-        self.metrics.count_request(status)
+    def _settled(self, call: Call, tenant: Tenant) -> None:
+        self.limiter.refund(tenant, call.gen.num_booked_tokens - call.gen.num_used_tokens)
         self.state.in_flight -= 1
-        log.info("%s: finished with status %d", self.api_id, status)
-
-    def _observe_latency(self) -> None:
-        for c in self.gen.choices:
-            if c.first_token_s is None:
-                continue
-            self.metrics.time_to_first_token.observe(c.first_token_s - self.gen.arrival_s)
-            if c.finished_s is not None and len(c.token_ids) > 1:
-                self.metrics.time_per_output_token.observe((c.finished_s - c.first_token_s) / (len(c.token_ids) - 1))
-
-
-class EventStreamResponse(StreamingResponse):
-    """A streaming response that always watches for the client leaving.
-
-    On disconnect the body generator is cancelled (its `finally` aborts the engine
-    requests) whichever ASGI spec version the server speaks; `on_close` runs last, even if
-    the generator never started.
-    """
-
-    def __init__(self, content, on_close, **kwargs):
-        super().__init__(content, **kwargs)
-        self.on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            async with anyio.create_task_group() as tg:
-                async def stream() -> None:
-                    try:
-                        await self.stream_response(send)
-                    except OSError:  # the client went away mid-write
-                        pass
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(stream)
-                await self.listen_for_disconnect(receive)
-                tg.cancel_scope.cancel()
-        finally:
-            await self.body_iterator.aclose()
-            self.on_close()
-
-
-class RequestContextMiddleware:
-    """x-request-id on every response (and in every log line); 413 for oversized bodies."""
-
-    def __init__(self, app, max_body_bytes: int):
-        self.app, self.max_body_bytes = app, max_body_bytes
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
-        rid = _clean_request_id(headers.get(b"x-request-id", b"").decode("latin-1"))
-        token = request_id_var.set(rid)
-        send = _with_request_id(send, rid)
-        try:
-            length = headers.get(b"content-length", b"").decode("latin-1")
-            if length.isdigit() and int(length) > self.max_body_bytes:
-                return await self._too_large(f"is {int(length)} bytes")(scope, receive, send)
-            messages = await self._read_body(receive)
-            if messages is None:
-                return await self._too_large("exceeds that")(scope, receive, send)
-            await self.app(scope, _replay(messages, receive), send)
-        finally:
-            request_id_var.reset(token)
-
-    def _too_large(self, what: str) -> Response:
-        return APIError(413, f"The request body {what}; this server accepts at most {self.max_body_bytes} "
-                        "bytes (--max-body-bytes).", param="body", code="request_too_large").response()
-
-    async def _read_body(self, receive) -> list[dict] | None:
-        """The body's messages, read up front (None past the limit: chunked bodies have no length)."""
-        messages, num_bytes = [], 0
-        while True:
-            message = await receive()
-            messages.append(message)
-            if message["type"] != "http.request":
-                return messages
-            num_bytes += len(message.get("body", b""))
-            if num_bytes > self.max_body_bytes:
-                return None
-            if not message.get("more_body", False):
-                return messages
-
-
-def _replay(messages: list[dict], receive):
-    """A receive() that returns the buffered body first, then the live channel (disconnects)."""
-    pending = list(messages)
-
-    async def replay():
-        return pending.pop(0) if pending else await receive()
-    return replay
-
-
-def _with_request_id(send, rid: str):
-    async def wrapped(message):
-        if message["type"] == "http.response.start":
-            headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
-            message = {**message, "headers": headers + [(b"x-request-id", rid.encode("latin-1"))]}
-        await send(message)
-    return wrapped
-
-
-def _clean_request_id(given: str) -> str:
-    """The client's x-request-id if it is short and printable; a fresh one otherwise."""
-    if given and len(given) <= 128 and given.isprintable() and given.isascii():
-        return given
-    return uuid.uuid4().hex
-
-
-class RequestIdLogFilter(logging.Filter):
-    """Adds `request_id` to every log record (the current request's, or '-')."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.request_id = request_id_var.get()
-        return True

@@ -9,14 +9,16 @@ retry, and both carry Retry-After.
 from __future__ import annotations
 
 import logging
+import math
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ctxwarden.errors import (ContextLengthExceeded, InvalidSamplingParams, KVCapacityExceeded,
-                              QueueFull)
+from ctxwarden.errors import (ContextLengthExceeded, EngineFailed, InvalidSamplingParams,
+                              KVCapacityExceeded, Overloaded, QueueDelayExceeded, QueueFull,
+                              TenantLimitExceeded)
 
 log = logging.getLogger("ctxwarden.server")
 
@@ -48,12 +50,17 @@ def from_engine_error(e: Exception, prompt_param: str) -> APIError:
     """Map an error raised by `Engine.add_request` or `SamplingParams` to its API error."""
     if isinstance(e, ContextLengthExceeded):
         return APIError(400, str(e), param=prompt_param, code="context_length_exceeded",
-                        headers={"x-context-window": str(e.window_tokens)})
+                        headers={"x-context-window": str(e.max_model_len)})
     if isinstance(e, KVCapacityExceeded):
         return APIError(400, str(e), param=prompt_param, code="kv_capacity_exceeded")
-    if isinstance(e, QueueFull):
-        return APIError(429, str(e), "rate_limit_exceeded", code="queue_full",
-                        headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(e, Overloaded):
+        code = {QueueFull: "queue_full", QueueDelayExceeded: "queue_delay_exceeded",
+                TenantLimitExceeded: "tenant_limit_exceeded"}.get(type(e), "overloaded")
+        return APIError(429, str(e), "rate_limit_exceeded", code=code,
+                        headers={"Retry-After": str(max(RETRY_AFTER_S, math.ceil(e.retry_after_s)))})
+    if isinstance(e, EngineFailed):  # the engine thread died: retry after the restart
+        return APIError(503, f"The engine failed ({e}); the server is restarting. Retry shortly.",
+                        "service_unavailable", code="engine_failed", headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(e, InvalidSamplingParams):
         return APIError(400, str(e), param=e.field, code="invalid_value")
     if isinstance(e, ValueError):

@@ -47,7 +47,7 @@ class Job:
         """SamplingParams of one choice; a chat without max_tokens may use the rest of the window."""
         max_tokens = self.max_tokens
         if max_tokens is None:
-            max_tokens = max(1, engine.window_tokens - len(prompt)) if self.is_chat else 16
+            max_tokens = max(1, engine.max_model_len - len(prompt)) if self.is_chat else 16
         seed = None if self.seed is None else self.seed + choice  # choices differ, reproducibly
         return SamplingParams(max_tokens=max_tokens, seed=seed, **self.sampling)
 
@@ -60,6 +60,7 @@ class Choice:
     prompt_index: int
     request_id: str
     num_prompt_tokens: int
+    max_tokens: int = 0
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)  # ScoredToken
@@ -130,6 +131,16 @@ class Generation:
         return sum(len(c.token_ids) for c in self.choices)
 
     @property
+    def num_booked_tokens(self) -> int:
+        """What the request may use at most: every choice's prompt and max_tokens."""
+        return sum(c.num_prompt_tokens + c.max_tokens for c in self.choices)
+
+    @property
+    def num_used_tokens(self) -> int:
+        """What it used: every choice's prompt and generated tokens."""
+        return sum(c.num_prompt_tokens + len(c.token_ids) for c in self.choices)
+
+    @property
     def max_prompt_tokens(self) -> int:
         return max(c.num_prompt_tokens for c in self.choices)
 
@@ -138,7 +149,7 @@ class Generation:
         return len(self.choices) // len({c.prompt_index for c in self.choices})
 
 
-async def submit(engine: AsyncEngine, job: Job, api_id: str, namespace: str) -> Generation:
+async def submit(engine: AsyncEngine, job: Job, api_id: str, namespace: str, share=None) -> Generation:
     """Queue every choice of `job` on `engine`; all or nothing (refusals propagate)."""
     gen = Generation(engine, [], asyncio.Queue(), time.monotonic())
     try:
@@ -147,9 +158,9 @@ async def submit(engine: AsyncEngine, job: Job, api_id: str, namespace: str) -> 
             for j in range(job.n):
                 index = p * job.n + j
                 params = job.params_for(engine, prompt, j)
-                choice = Choice(index, p, f"{api_id}-{index}", num_prompt_tokens=0)
+                choice = Choice(index, p, f"{api_id}-{index}", num_prompt_tokens=0, max_tokens=params.max_tokens)
                 gen.choices.append(choice)  # before the await: a cancelled submit is aborted too
-                admitted = await engine.submit(prompt, params, choice.request_id, namespace, gen.outputs)
+                admitted = await engine.submit(prompt, params, choice.request_id, namespace, gen.outputs, share)
                 choice.num_prompt_tokens = admitted.num_prompt_tokens
     except BaseException:
         gen.abort_unfinished()

@@ -70,6 +70,9 @@ class ServerMetrics:
         self.registry.register(self._engines)
         self.requests = Counter("ctxwarden_requests", "Completion requests by final HTTP status "
                                 "(499: the client went away).", ["status"], registry=self.registry)
+        self.abandoned = Counter("ctxwarden_requests_abandoned", "Non-streaming requests whose client "
+                                 "disconnected before the response; their choices were aborted at once.",
+                                 registry=self.registry)
         self.time_to_first_token = Histogram(
             "ctxwarden_time_to_first_token_seconds", "Arrival to first generated token.",
             buckets=_LATENCY_BUCKETS_S, registry=self.registry)

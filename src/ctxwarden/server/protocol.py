@@ -14,9 +14,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 MAX_N = 16  # choices per request: each is a sequence in the engine
 MAX_TOP_LOGPROBS = 20  # the OpenAI API's own cap
+MAX_STOP_CHARS = 256  # one stop string (the detokenizer scans for each on every token)
+MAX_TOKENS = 1 << 20  # a bound for the schema; the engine refuses past the model's window
+MAX_USER_CHARS = 256
 
-Stop = Union[Annotated[str, Field(min_length=1)], Annotated[list[Annotated[str, Field(min_length=1)]],
-                                                            Field(max_length=4)], None]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+Stop = Union[StopString, Annotated[list[StopString], Field(max_length=4)], None]
 Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
 
 
@@ -32,7 +35,7 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=MAX_N)
@@ -42,7 +45,7 @@ class _SamplingFields(BaseModel):
     seed: Seed | None = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    user: str | None = None
+    user: str | None = Field(default=None, max_length=MAX_USER_CHARS)
     # Extensions (vLLM names), off by default.
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
@@ -88,7 +91,7 @@ class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 

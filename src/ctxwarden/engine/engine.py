@@ -1,0 +1,266 @@
+"""The engine: one `step()` moves every request forward by one scheduled chunk.
+
+    step = schedule (admit, chunk, preempt; KV slots allocated)     scheduler/
+         -> move swapped pages (out to host, back in)               engine/swap.py
+         -> run the model on the batch (paged KV)                   runner/
+         -> logits -> prompt logprobs, tokens, text, stops          engine/outputs.py
+         -> emit StepOutputs
+
+The engine talks to the KV pool only through the scheduler, and to logits only through
+the output processor. Invariants: a request that can never fit is refused in
+`add_request` (ContextLengthExceeded or KVCapacityExceeded), never queued; finish, stop,
+abort, error and preemption release every block in the step they happen; when the engine
+goes idle the block audit runs and any leak shows in `stats().leaked_blocks`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+from ctxwarden.engine.config import EngineConfig
+from ctxwarden.engine.outputs import OutputProcessor, output_of
+from ctxwarden.engine.swap import HostSwapSpace
+from ctxwarden.errors import NoTokenizer
+from ctxwarden.kv import AuditReport, KVCacheManager, KVStats
+from ctxwarden.plan import kv_bytes_per_token, plan_memory
+from ctxwarden.plan.params import count_parameters
+from ctxwarden.request import FinishReason, Request, StepOutput, TenantShare
+from ctxwarden.runner.inputs import ForwardBatch
+from ctxwarden.runner.model_runner import ModelRunner, RunnerConfig
+from ctxwarden.sampling import SamplingParams
+from ctxwarden.scheduler import PreemptionCost, ScheduledSeq, Scheduler, SchedulerConfig
+from ctxwarden.spec.checkpoint import Checkpoint, resolve_checkpoint
+
+log = logging.getLogger("ctxwarden.engine")
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """One look at the engine: queues, KV pool, preemptions, throughput."""
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_preemptions_swap: int
+    num_preemptions_recompute: int
+    num_steps: int
+    num_generated_tokens: int
+    num_prompt_tokens_computed: int
+    last_step_tokens_per_s: float
+    kv: KVStats
+    leaked_blocks: int  # from the last idle audit
+    audit_findings: tuple = field(default=())
+
+
+class Engine:
+    """Continuous-batching engine over a paged KV cache. Single-threaded: callers serialise."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.checkpoint = resolve_checkpoint(config.model)
+        self.spec = self.checkpoint.spec
+        self.num_blocks = self._plan_num_blocks()
+        self.runner = ModelRunner(self.checkpoint, RunnerConfig(
+            num_blocks=self.num_blocks, block_size=config.block_size, kv_dtype=config.kv_dtype,
+            dtype=config.dtype, window_tokens=config.window_tokens, sink_tokens=config.sink_tokens,
+            weights=config.weights))
+        self.scheduler = Scheduler(
+            KVCacheManager(self.runner.layout, self.num_blocks, config.enable_prefix_caching),
+            self._scheduler_config(), PreemptionCost(
+                flops_per_token=2.0 * count_parameters(self.spec),
+                kv_bytes_per_token=kv_bytes_per_token(self.spec, config.kv_dtype)))
+        self.tokenizer = _load_tokenizer(self.checkpoint)
+        eos = set(self.spec.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()))
+        self.outputs = OutputProcessor(self.tokenizer, eos, None if config.is_unbounded_length
+                                       else self.max_model_len, self._finish)
+        self.swap = HostSwapSpace(self.runner.kv_cache)
+        self.requests: dict[str, Request] = {}
+        self._pending: list[StepOutput] = []
+        self._ids = itertools.count()
+        self._counters = {"steps": 0, "prompt": 0}
+        self._last_tokens_per_s = 0.0
+        self._last_audit: AuditReport | None = None
+
+    # --- setup ------------------------------------------------------------------------------
+
+    def _plan_num_blocks(self) -> int:
+        """The pool is `kv_memory` bytes cut into pages: the planner's own arithmetic."""
+        plan = plan_memory(self.spec, memory_bytes=self.config.kv_memory_bytes, weights_bytes=0,
+                           weights_source="not counted: kv_memory is the KV pool alone",
+                           kv_dtype=self.config.kv_dtype, block_size=self.config.block_size,
+                           activation_reserve_bytes=0, window_tokens=self.config.window_tokens,
+                           sink_tokens=self.config.sink_tokens,
+                           max_batched_tokens=self.config.max_batched_tokens)
+        if plan.num_blocks < 1:
+            raise ValueError(f"kv_memory {self.config.kv_memory_bytes} B is smaller than one KV "
+                             f"block ({plan.page_bytes} B); give the engine more kv_memory")
+        return plan.num_blocks
+
+    def _scheduler_config(self) -> SchedulerConfig:
+        c = self.config
+        return SchedulerConfig(max_num_seqs=c.max_num_seqs, max_batched_tokens=c.max_batched_tokens,
+                               max_waiting=c.max_waiting, preemption_mode=c.preemption_mode,
+                               swap_space_bytes=c.swap_space_bytes, max_model_len=self.max_model_len,
+                               is_unbounded_length=c.is_unbounded_length,
+                               max_queue_delay_s=c.max_queue_delay_s,
+                               contended_prefill_tokens=c.contended_prefill_tokens)
+
+    @property
+    def max_model_len(self) -> int:
+        """The model's context window: prompt + max_tokens must fit (except in sink mode)."""
+        return self.config.max_model_len or self.spec.max_position_embeddings
+
+    # --- requests ---------------------------------------------------------------------------
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt (text is tokenized as transformers does, BOS included)."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this checkpoint has no tokenizer files: pass token ids, not text")
+            return list(self.tokenizer.backend.encode(prompt, add_special_tokens=True).ids)
+        ids = [int(t) for t in prompt]
+        bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise ValueError(f"token ids must be in [0, {self.spec.vocab_size}) (the vocabulary); "
+                             f"got {bad[:5]}")
+        return ids
+
+    def check_admissible(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise now (ContextLengthExceeded / KVCapacityExceeded) if a request can never fit."""
+        self.scheduler.check_admissible(num_prompt_tokens, max_tokens)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, namespace: str = "", priority: int = 0,
+                    share: TenantShare | None = None) -> Request:
+        """Queue a request; raises at once if it can never be served (nothing is queued).
+
+        `namespace` is the tenant (it salts the prefix cache and keys fair sharing);
+        `share` is that tenant's weight and caps.
+        """
+        params = params or SamplingParams()
+        ids = self.encode(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty: it needs at least 1 token")
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        # every prompt position must be computed to be scored, so such a request takes no
+        # prefix-cache hit (vLLM skips the cache too); its blocks are still cached for others
+        req = Request(request_id, ids, params, namespace=namespace, priority=priority,
+                      reads_prefix_cache=params.prompt_logprobs is None, share=share or TenantShare())
+        self.outputs.start(req)
+        self.scheduler.add(req)
+        self.requests[request_id] = req
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request now: its blocks are free when this returns. False if unknown."""
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return False
+        self._finish(req, FinishReason.ABORT)
+        self._pending.append(output_of(req))
+        return True
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work
+
+    # --- the loop ---------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        """Schedule, run, sample, emit. Returns this step's outputs (and any abort notices)."""
+        started = time.perf_counter()
+        work = self.scheduler.schedule()
+        self.swap.move(work)
+        outputs, self._pending = self._pending, []
+        outputs += [self._refused(r) for r in work.refused]
+        if work.scheduled:
+            outputs += self._run(work.scheduled)
+        self._counters["steps"] += 1
+        elapsed = time.perf_counter() - started
+        self.scheduler.observe_step(work, elapsed)
+        self._last_tokens_per_s = work.num_batched_tokens / elapsed if elapsed > 0 else 0.0
+        if not self.scheduler.has_work:
+            self._last_audit = self.scheduler.audit()
+        return outputs
+
+    def _run(self, scheduled: tuple[ScheduledSeq, ...]) -> list[StepOutput]:
+        batch = ForwardBatch(tuple(self.outputs.sequence_input(s) for s in scheduled))
+        try:
+            logits = self.runner.forward(batch)
+        except Exception as e:  # noqa: BLE001 - one bad step must not leak or kill the engine
+            log.exception("forward failed; ending the %d requests of this step", len(scheduled))
+            return [self._fail(s.request, e) for s in scheduled]
+        for s in scheduled:
+            self.scheduler.after_step(s)
+            if s.request.num_computed_tokens <= s.request.num_prompt_tokens:
+                self._counters["prompt"] += s.num_new_tokens
+        return self.outputs.process(scheduled, batch, logits)
+
+    def _refused(self, req: Request) -> StepOutput:
+        self._release_engine_state(req)  # the scheduler has already finished it
+        return output_of(req, error=(
+            f"the request could not be given KV blocks even in an empty pool of {self.num_blocks} "
+            "blocks; this is a bug in admission arithmetic, please report it"))
+
+    def _fail(self, req: Request, error: Exception) -> StepOutput:
+        self._finish(req, FinishReason.ERROR)
+        return output_of(req, error=f"{type(error).__name__}: {error}")
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        self.scheduler.finish(req, reason)
+        self._release_engine_state(req)
+
+    def _release_engine_state(self, req: Request) -> None:
+        """What the engine itself keeps for a finished request: its host pages, its clock."""
+        self.swap.drop(req.request_id)
+        req.finished_s = time.monotonic()
+
+    # --- stats ------------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        """Queues, KV pool, preemptions and the last idle audit, as one object."""
+        sched, audit = self.scheduler.stats(), self._last_audit
+        return EngineStats(
+            num_running=sched.num_running, num_waiting=sched.num_waiting,
+            num_swapped=sched.num_swapped, num_preemptions_swap=sched.num_preemptions_swap,
+            num_preemptions_recompute=sched.num_preemptions_recompute,
+            num_steps=self._counters["steps"], num_generated_tokens=self.outputs.num_generated_tokens,
+            num_prompt_tokens_computed=self._counters["prompt"],
+            last_step_tokens_per_s=self._last_tokens_per_s, kv=sched.kv,
+            leaked_blocks=_leaked_blocks(audit), audit_findings=tuple(audit.findings) if audit else ())
+
+    def audit(self) -> AuditReport:
+        """Recount the KV pool now: every invariant, and blocks owned by no running request."""
+        return self.scheduler.audit()
+
+    def release_finished(self) -> None:
+        """Forget finished requests (their blocks were released when they finished)."""
+        for rid in [rid for rid, r in self.requests.items() if r.is_finished]:
+            del self.requests[rid]
+
+
+def _leaked_blocks(audit: AuditReport | None) -> int:
+    if audit is None:
+        return 0
+    return sum(o.num_blocks for o in audit.owners if not o.is_live)
+
+
+def _load_tokenizer(checkpoint: Checkpoint):
+    """The checkpoint's tokenizer, or None when it ships none; a malformed one raises.
+
+    A safetensors directory has one when it holds tokenizer.json; a GGUF when its metadata
+    holds a vocabulary (`tokenizer.ggml.tokens`).
+    """
+    from ctxwarden.context.tokenizers import load_tokenizer
+
+    if checkpoint.format != "gguf" and not (checkpoint.model_dir / "tokenizer.json").is_file():
+        return None
+    try:
+        return load_tokenizer(checkpoint.path if checkpoint.format == "gguf" else checkpoint.model_dir)
+    except NoTokenizer:
+        return None

@@ -79,19 +79,24 @@ def run_bench(args) -> int:
             paths[w] = Path(tmp) / f"{w}.json"
             paths[w].write_text(json.dumps(workload_inputs(w, args.quick, args.weights)))
         task = bar.add_task("bench", total=len(jobs))
+        results = {"machine": machine(), "args": vars(args) | {"_module": None}, "runs": runs}
         for omp, r, w, p in jobs:
             bar.update(task, description=f"{omp} round {r + 1} {w} {p}")
             runs[omp][w][p].append(run_child(p, w, paths[w], omp, args.peers_python, args.timeout))
+            write_results(results, Path(args.out))  # after every child: a cut-short run keeps its data
             bar.advance(task)
-    results = {"machine": machine(), "args": vars(args) | {"_module": None}, "runs": runs}
-    out = Path(args.out)
+    print(write_results(results, Path(args.out)))
+    return 0
+
+
+def write_results(results: dict, out: Path) -> str:
+    """bench.json, bench.md and bench.png in `out`; returns the table."""
     out.mkdir(parents=True, exist_ok=True)
     table = render_table(results)
     (out / "bench.json").write_text(json.dumps(results, indent=1))
     (out / "bench.md").write_text(table)
     plot(results, out / "bench.png")
-    print(table)
-    return 0
+    return table
 
 
 def machine() -> dict:

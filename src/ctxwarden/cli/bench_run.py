@@ -174,3 +174,4 @@ def plot(results: dict, path: Path) -> None:
     fig.suptitle(f"ctxwarden bench: {results['machine']['cpu']}, {results['machine']['date']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -21,7 +21,6 @@ The reordered tensor replaces the plain one (no second copy is kept).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -32,21 +31,6 @@ from ctxwarden.layers.quant import Q4, QuantizedWeight, dequantize
 # Rows at which a quantized weight is dequantized for one dense GEMM instead of being
 # multiplied by the dequantizing kernel (measured in benchmarks/linear_kernels.py).
 DENSE_MIN_ROWS = 48
-
-
-@lru_cache(maxsize=1)
-def fast_prefill_dtype() -> torch.dtype:
-    """bf16 where the CPU has AMX tiles (and oneDNN bf16), else fp32: the rule for `auto`.
-
-    A CPU-flag rule, not a timing probe (a probe at start-up on 2 shared cores measures the
-    neighbours). Measured on Sapphire Rapids (AMX): bf16 GEMMs at prefill sizes 2-2.5x
-    fp32, bf16 flash attention 2.7x; on a Xeon with AVX512-BF16 but no AMX, bf16 F.linear
-    was slower than fp32 (PERF-NOTES), so there it stays fp32.
-    """
-    has_amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
-    if has_amx and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return torch.bfloat16
-    return torch.float32
 
 
 @dataclass(frozen=True)

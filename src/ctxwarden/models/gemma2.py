@@ -45,7 +45,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         layer = kv_cache.layer(layer_id)
         scalar = self.spec.query_pre_attn_scalar or self.spec.head_dim
         return AttentionParams(scalar ** -0.5, self.spec.attn_logit_softcapping,
-                               layer.window_tokens, layer.sink_tokens, self.prefill_dtype)
+                               layer.window_tokens, layer.sink_tokens)
 
     def decoder_layer(self, layer_id, w: LayerWeights, x, step, rope, kv_cache, backend):
         h = self.norm(x, w.input_norm)

@@ -24,7 +24,7 @@ import torch
 
 from ctxwarden.ext import kernels
 from ctxwarden.spec.model_spec import ModelSpec
-from ctxwarden.layers.linear import LinearWeight, fast_prefill_dtype, linear, pack_linear
+from ctxwarden.layers.linear import LinearWeight, linear, pack_linear
 from ctxwarden.layers.quant import QuantizedWeight, rows_of, stack_rows
 from ctxwarden.layers.mlp import activation, gated_mlp
 from ctxwarden.layers.norm import rms_norm
@@ -151,14 +151,12 @@ class LlamaForCausalLM:
         def get(name):
             return source.get(p + name, dtype)
 
-        # A quantized weight is expanded for prefill-sized steps; on a CPU with AMX that
-        # GEMM runs in bf16 (linear.fast_prefill_dtype); weights=fp32 stays fp32 throughout.
-        prefill_dtype = fast_prefill_dtype() if dtype == torch.float32 else dtype
-
+        # A quantized weight is expanded for prefill-sized steps in the activations' dtype,
+        # not bf16: a recompute after preemption re-runs decoded tokens as one prefill, and
+        # must give the KV the decode steps wrote (the engine's pressure == no pressure).
         def proj(*names):  # one projection, or several stacked along out_features
             parts = [source.get_linear(p + n, weights, dtype) for n in names]
-            return pack_linear(parts[0] if len(parts) == 1 else stack_rows(parts),
-                               dense_dtype=prefill_dtype)
+            return pack_linear(parts[0] if len(parts) == 1 else stack_rows(parts), dense_dtype=dtype)
 
         def opt(name):
             return get(name) if p + name in source.infos else None
@@ -215,15 +213,7 @@ class LlamaForCausalLM:
     def attention_params(self, layer_id: int, kv_cache: PagedKVCache) -> AttentionParams:
         layer = kv_cache.layer(layer_id)
         return AttentionParams(self.spec.head_dim ** -0.5, self.spec.attn_logit_softcapping,
-                               layer.window_tokens, layer.sink_tokens, self.prefill_dtype)
-
-    @property
-    def prefill_dtype(self) -> torch.dtype | None:
-        """bf16 for long prefill attention where the projections' prefill GEMMs are bf16
-        (weights auto/int4/int8 on AMX, or bf16); None on the exact fp32 path."""
-        qkv = self.layers[0].qkv
-        dtype = qkv.dense_dtype if qkv.quant is not None else qkv.weight.dtype
-        return dtype if dtype != self.dtype else None
+                               layer.window_tokens, layer.sink_tokens)
 
     def decoder_layer(self, layer_id, w: LayerWeights, x, step, rope, kv_cache, backend):
         if self._is_fused_step(x):

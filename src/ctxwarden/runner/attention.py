@@ -47,9 +47,6 @@ class AttentionParams:
     softcap: float | None = None
     window_tokens: int | None = None
     sink_tokens: int = 0
-    # dtype of q/k/v for long prefill chunks (bf16 flash attention on AMX CPUs: 2.7x fp32
-    # at 8K tokens); None keeps the activations' dtype (the exact fp32 path)
-    prefill_dtype: torch.dtype | None = None
 
 
 class AttentionBackend:
@@ -78,8 +75,8 @@ class TorchPagedAttention(AttentionBackend):
         out = torch.empty_like(q)
         for s in group.sequences:
             rows = slice(s.query_start, s.query_end)
-            qs = None if q_sink is None else q_sink[rows].to(q.dtype)
-            out[rows] = _prefill_one(q[rows], qs, flat_k, flat_v, s, params)  # cast back
+            qs = None if q_sink is None else q_sink[rows]
+            out[rows] = _prefill_one(q[rows], qs, flat_k, flat_v, s, params)
         return out
 
 
@@ -115,16 +112,9 @@ def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, params: AttentionParams) 
     return ok
 
 
-# Chunks of at least this many queries take params.prefill_dtype (as linear.DENSE_MIN_ROWS)
-PREFILL_MIN_ROWS = 48
-
-
 def _prefill_one(q, q_sink, flat_k, flat_v, s: SequenceKeys, params: AttentionParams):
-    dtype = q.dtype
-    if params.prefill_dtype is not None and q.shape[0] >= PREFILL_MIN_ROWS:
-        q, dtype = q.to(params.prefill_dtype), params.prefill_dtype
-    k = _gather(flat_k, s.key_slots, dtype)  # [m, Hkv, D]
-    v = _gather(flat_v, s.key_slots, dtype)
+    k = _gather(flat_k, s.key_slots, q.dtype)  # [m, Hkv, D]
+    v = _gather(flat_v, s.key_slots, q.dtype)
     if params.softcap is None and q_sink is None:
         return _sdpa(q, k, v, s, params)
     if params.softcap is None and _FLASH_WITH_LSE is not None:

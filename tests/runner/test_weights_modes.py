@@ -6,9 +6,9 @@
   49K vocabulary; measured ~1e-4).
 - Perplexity on an Austen excerpt (512 tokens, one prefill) against the fp32 path, bounds
   from the measured values with room for other CPUs' kernels: auto and int4 (the same
-  codes; prefill GEMMs in bf16 on AMX) within 1% (measured -0.2%), bf16 within 1%
-  (measured +0.1%), int8 (8-bit codes requantized from the 4-bit weights) within 1%
-  (measured +0.2%). A 1% perplexity change is below what separates neighbouring llama.cpp
+  codes, prefill GEMMs on the weight expanded to fp32) within 1% (measured +0.00%), bf16
+  within 1% (measured +0.09%), int8 (8-bit codes requantized from the 4-bit weights)
+  within 1% (measured +0.19%). A 1% perplexity change is below what separates neighbouring llama.cpp
   quantizations of one model (Q4_0 vs Q4_1: several percent), so a mode inside it is
   not a different model; a mode that broke (a wrong scale, a swapped nibble) is off by
   orders of magnitude.

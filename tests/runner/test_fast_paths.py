@@ -21,10 +21,14 @@ def test_packed_linear_matches_f_linear(rows):
     assert linear(x, packed).shape == (rows, 96)
 
 
-def test_bf16_weights_stay_plain():
-    w = torch.randn(8, 4, dtype=torch.bfloat16)
+def test_bf16_weights_are_packed_where_onednn_has_bf16():
+    torch.manual_seed(2)
+    w, x = torch.randn(64, 32, dtype=torch.bfloat16), torch.randn(5, 32)
     packed = pack_linear(w)
-    assert not packed.is_packed and packed.weight is w
+    assert packed.is_packed == can_pack(w)
+    got = linear(x, packed)  # fp32 in, fp32 out; the matmul itself in bf16
+    assert got.dtype == torch.float32
+    assert torch.allclose(got, F.linear(x.bfloat16(), w).float(), atol=2e-2, rtol=2e-2)
 
 
 def _eager_reference(q, k, v, mask, scale):

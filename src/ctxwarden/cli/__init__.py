@@ -23,6 +23,7 @@ COMMANDS = {
     "route": "route",
     "diag": "diag",
     "doctor": "doctor",
+    "bench": "bench",
 }
 
 # The environment as the user left it, before main() sets its defaults (`doctor` reports it).

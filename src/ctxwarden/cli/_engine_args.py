@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import MISSING, fields
 
-from ctxwarden.engine.config import PREEMPTION_MODES, RUNNER_KV_DTYPES, TIER_FETCH_POLICIES, EngineConfig
+from ctxwarden.engine.config import (PREEMPTION_MODES, RUNNER_KV_DTYPES, TIER_FETCH_POLICIES, WEIGHTS_MODES,
+                                     EngineConfig)
 from ctxwarden.spec.dtypes import ACTIVATION_DTYPES
 
 # field -> (flag, help). Byte sizes take units; the flag name drops the `_bytes` suffix.
@@ -31,6 +32,8 @@ _FLAGS = {
     "sink_tokens": ("--sink-tokens", "sink mode: tokens kept at the start (needs --window-tokens)"),
     "max_queue_delay_s": ("--max-queue-delay", "seconds: refuse (429 + Retry-After) a request whose "
                           "predicted time to first token is longer"),
+    "weights": ("--weights", "how projections are stored: auto (a GGUF's Q4_x/Q8_0 kept quantized), "
+                "fp32, bf16, int8, int4 (default: $CTXWARDEN_WEIGHTS or auto)"),
     "contended_prefill_tokens": ("--contended-prefill-tokens", "prefill tokens per step of a tenant "
                                  "while a less-served tenant decodes (default: one decode step's worth)"),
     "kv_tiers": ("--kv-tiers", "KV tiers beyond the pool, e.g. ram:4GiB,disk:/path:20GiB,redis://127.0.0.1:6379 "
@@ -42,7 +45,7 @@ _FLOATS = ("max_queue_delay_s",)
 _TEXT_FIELDS = {"model": "MODEL", "kv_tiers": "TIERS"}  # free text, not a number
 _CHOICES = {"dtype": ACTIVATION_DTYPES + ("float32", "bfloat16", "float16"),
             "kv_dtype": RUNNER_KV_DTYPES + ("float32", "bfloat16", "float16"),
-            "preemption_mode": PREEMPTION_MODES, "kv_tier_fetch": TIER_FETCH_POLICIES}
+            "preemption_mode": PREEMPTION_MODES, "kv_tier_fetch": TIER_FETCH_POLICIES, "weights": WEIGHTS_MODES}
 
 
 def add_engine_arguments(p: argparse.ArgumentParser, **default_overrides) -> None:

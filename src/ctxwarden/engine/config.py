@@ -7,6 +7,7 @@ off these fields by `ctxwarden.cli._engine_args`), and the server's config holds
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 
 from ctxwarden.kv.tiers.config import TiersConfig, parse_tiers
@@ -19,6 +20,9 @@ SERVER_MAX_WAITING = 256  # a server bounds its queue (429 past it); offline run
 SERVER_MAX_QUEUE_DELAY_S = 120.0  # a server refuses what would wait longer; offline runs wait
 # What the torch runner can store today (the planner plans fp8 KV too).
 RUNNER_KV_DTYPES = ("fp32", "bf16", "fp16")
+# How projections are stored (models/loader.py): auto keeps a GGUF's Q4_x / Q8_0 codes
+# (exact fp32-activation kernels), fp32 / bf16 dense, int8 / int4 quantize every projection.
+WEIGHTS_MODES = ("auto", "fp32", "bf16", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -47,11 +51,17 @@ class EngineConfig:
     contended_prefill_tokens: int | None = None  # None: about one decode step's worth, measured
     kv_tiers: TiersConfig | str | None = None  # 'ram:4GiB,disk:/path:20GiB,redis://host:6379'
     kv_tier_fetch: str = "auto"  # auto: fetch only where the cost model says it beats recompute
+    weights: str | None = None  # WEIGHTS_MODES; None: $CTXWARDEN_WEIGHTS, else auto
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype, ACTIVATION_DTYPES))
         kv = self.dtype if self.kv_dtype is None else self.kv_dtype
         object.__setattr__(self, "kv_dtype", canonical_dtype(kv, RUNNER_KV_DTYPES, "kv_dtype"))
+        # the variable lets a whole test run (or a deployment) pick the mode without code
+        weights = self.weights or os.environ.get("CTXWARDEN_WEIGHTS") or "auto"
+        if weights not in WEIGHTS_MODES:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHTS_MODES)}, got {weights!r}")
+        object.__setattr__(self, "weights", weights)
         for name in ("kv_memory_bytes", "block_size", "max_num_seqs", "max_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -68,7 +68,8 @@ class Engine:
         self.num_blocks = self._plan_num_blocks()
         self.runner = ModelRunner(self.checkpoint, RunnerConfig(
             num_blocks=self.num_blocks, block_size=config.block_size, kv_dtype=config.kv_dtype,
-            dtype=config.dtype, window_tokens=config.window_tokens, sink_tokens=config.sink_tokens))
+            dtype=config.dtype, window_tokens=config.window_tokens, sink_tokens=config.sink_tokens,
+            weights=config.weights))
         self.tiers, extra_keys = self._open_tiers()
         self.scheduler = Scheduler(
             KVCacheManager(self.runner.layout, self.num_blocks, config.enable_prefix_caching,

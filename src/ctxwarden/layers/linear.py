@@ -1,13 +1,21 @@
-"""y = x @ W.T with the weight laid out once, at load time, for this CPU's matmul library.
+"""y = x @ W.T with the weight laid out once, at load time, for this CPU.
 
-Measured on the 2-vCPU Zen 4 machines (fp32, 30 weights of [3072, 576] in turn, so they
-come from DRAM as in a real forward): oneDNN with its weight reordered ahead of time beats
-`x @ W.t()` (MKL sgemm on a transposed view) at every row count a step has:
-1 row 1.2-1.8x, 4 rows 2-3.5x, 16 rows 1.7-2.1x, 2048 rows 1.35-1.5x. Small row counts
-gain most because MKL's small-M path reads the transposed weight poorly.
+Three layouts (`LinearWeight.kind`):
 
-The reordered tensor replaces the plain one (no second copy is kept). Where oneDNN is not
-built in, or for dtypes other than fp32, the plain weight is used with `F.linear`.
+- "onednn": an fp32 or bf16 weight reordered ahead of time for oneDNN. Measured on the
+  Zen 4 machines (fp32, 30 weights of [3072, 576] in turn, so they come from DRAM as in a
+  real forward) it beats `x @ W.t()` (MKL sgemm on a transposed view) at every row count:
+  1 row 1.2-1.8x, 16 rows 1.7-2.1x, 2048 rows 1.35-1.5x. On a CPU with AMX, bf16 weights
+  run on its tile units (far faster than fp32 at prefill sizes) with fp32 inputs cast to
+  bf16 at the call and fp32 outputs.
+- "plain": the weight as it is, through `F.linear` (no oneDNN, or another dtype).
+- "q4" / "q8": group-quantized codes (layers/quant.py) for the ext/ kernels, which take
+  fp32 activations and reproduce the dequantized fp32 weight exactly. Steps of many rows
+  (prefill) dequantize the weight for the call and run one dense GEMM instead: the
+  dequantization is then a few percent of the matmul, and dense GEMMs are far faster per
+  row than a dequantizing kernel.
+
+The reordered tensor replaces the plain one (no second copy is kept).
 """
 
 from __future__ import annotations
@@ -17,30 +25,59 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ctxwarden.ext import kernels
+from ctxwarden.layers.quant import Q4, QuantizedWeight, dequantize
+
+# Rows at which a quantized weight is dequantized for one dense GEMM instead of being
+# multiplied by the dequantizing kernel (measured in benchmarks/linear_kernels.py).
+DENSE_MIN_ROWS = 48
+
 
 @dataclass(frozen=True)
 class LinearWeight:
-    """One projection's weight [out_features, in_features], plain or reordered for oneDNN."""
+    """One projection's weight [out_features, in_features] in its runtime layout."""
 
-    weight: torch.Tensor
-    is_packed: bool
+    weight: torch.Tensor  # dense (plain or reordered) or the quantized codes
+    is_packed: bool  # reordered for oneDNN
     out_features: int
     in_features: int
+    quant: QuantizedWeight | None = None
+    dense_dtype: torch.dtype = torch.float32  # dtype a quantized weight is expanded to
+
+    @property
+    def kind(self) -> str:
+        """'q4' | 'q8' | 'onednn' | 'plain'."""
+        if self.quant is not None:
+            return self.quant.kind
+        return "onednn" if self.is_packed else "plain"
 
     @property
     def nbytes(self) -> int:
-        """Bytes the (possibly reordered) weight holds."""
-        return self.weight.nbytes
+        """Bytes the weight holds in its runtime layout."""
+        return self.quant.nbytes if self.quant is not None else self.weight.nbytes
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether `pack_linear` would reorder this weight (fp32 on a CPU with oneDNN)."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
-            and torch.backends.mkldnn.is_available())
+    """Whether `pack_linear` would reorder this weight (fp32 / bf16 on a CPU with oneDNN)."""
+    return (weight.device.type == "cpu" and weight.dim() == 2
+            and weight.dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.is_available()
+            and (weight.dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()))
 
 
-def pack_linear(weight: torch.Tensor, enabled: bool = True) -> LinearWeight:
-    """Prepare `weight` [out, in] for `linear`; reordered for oneDNN when that is possible."""
+def pack_linear(weight: torch.Tensor | QuantizedWeight, enabled: bool = True,
+                dense_dtype: torch.dtype = torch.float32) -> LinearWeight:
+    """Prepare `weight` [out, in] for `linear` (reordered for oneDNN where possible).
+
+    A quantized weight stays quantized when the ext/ kernels are built (expanded to
+    `dense_dtype` for prefill-sized steps); without them it is dequantized here to fp32
+    and takes the dense path: the dequantized model's numbers, at dense speed and size.
+    """
+    if isinstance(weight, QuantizedWeight):
+        out_features, in_features = weight.shape
+        if kernels() is not None:
+            return LinearWeight(weight.codes, False, out_features, in_features, weight, dense_dtype)
+        weight = dequantize(weight)
     out_features, in_features = weight.shape
     if enabled and can_pack(weight):
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
@@ -49,7 +86,55 @@ def pack_linear(weight: torch.Tensor, enabled: bool = True) -> LinearWeight:
 
 
 def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
-    """x [..., in] -> [..., out] = x @ W.T."""
+    """x [..., in] -> [..., out] = x @ W.T, in x's dtype."""
+    if w.quant is not None:
+        return _quantized_linear(x, w)
     if w.is_packed:
-        return torch.ops.mkldnn._linear_pointwise(x, w.weight, None, "none", [], "")
+        return _bucketed(x, w.weight.dtype, w.out_features, lambda rows: torch.ops.mkldnn._linear_pointwise(
+            rows, w.weight, None, "none", [], ""))
+    if x.dtype != w.weight.dtype:
+        return F.linear(x.to(w.weight.dtype), w.weight).to(x.dtype)
     return F.linear(x, w.weight)
+
+
+# oneDNN caches one primitive (with its scratch memory) per distinct input shape, up to
+# 1,024 by default: a server that sees every prompt length grows by megabytes per new
+# length for hours (issue 17). Steps of more than BUCKET_ROWS rows are padded up to a
+# multiple of it, so at most max_batched_tokens / 64 large shapes exist per weight; the
+# padding costs under 64 rows of a step of >= 64 (at 2048 rows, at most 3%).
+BUCKET_ROWS = 64
+
+
+def _bucketed(x: torch.Tensor, dtype: torch.dtype, out_features: int, matmul) -> torch.Tensor:
+    """matmul(rows) on x's rows cast to `dtype`, row count padded to a bucket; x's dtype out."""
+    rows = x.reshape(-1, x.shape[-1])
+    n = rows.shape[0]
+    padded = -(-n // BUCKET_ROWS) * BUCKET_ROWS if n > BUCKET_ROWS else n
+    if padded != n or rows.dtype != dtype:
+        staged = rows.new_zeros((padded, rows.shape[1]), dtype=dtype)
+        staged[:n] = rows
+        rows = staged
+    out = matmul(rows)[:n]
+    return out.to(x.dtype).reshape(*x.shape[:-1], out_features)
+
+
+def _quantized_linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
+    rows = x.reshape(-1, w.in_features)
+    if rows.shape[0] >= DENSE_MIN_ROWS:
+        dense = dense_weight(w)
+        return _bucketed(x, dense.dtype, w.out_features, lambda r: F.linear(r, dense))
+    rows = rows.float().contiguous()
+    ext, q = kernels(), w.quant
+    out = (ext.q4_linear(rows, q.codes, q.scale, q.zero) if q.kind == Q4
+           else ext.q8_linear(rows, q.codes, q.scale))
+    return out.to(x.dtype).reshape(*x.shape[:-1], w.out_features)
+
+
+def dense_weight(w: LinearWeight) -> torch.Tensor:
+    """The weight as a dense [out, in] tensor (a temporary for quantized layouts)."""
+    if w.quant is None:
+        return w.weight
+    q = w.quant
+    if q.kind == Q4 and kernels() is not None and w.dense_dtype in (torch.float32, torch.bfloat16):
+        return kernels().q4_dequantize(q.codes, q.scale, q.zero, w.dense_dtype == torch.bfloat16)
+    return dequantize(q).to(w.dense_dtype)

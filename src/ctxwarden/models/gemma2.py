@@ -39,7 +39,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         normalizer = torch.tensor(math.sqrt(self.spec.hidden_size), dtype=self.dtype)
-        return self.embed_tokens.index_select(0, input_ids) * normalizer
+        return super().embed(input_ids) * normalizer
 
     def attention_params(self, layer_id, kv_cache) -> AttentionParams:
         layer = kv_cache.layer(layer_id)

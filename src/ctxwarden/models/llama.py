@@ -22,14 +22,20 @@ from dataclasses import dataclass
 
 import torch
 
+from ctxwarden.ext import kernels
 from ctxwarden.spec.model_spec import ModelSpec
 from ctxwarden.layers.linear import LinearWeight, linear, pack_linear
+from ctxwarden.layers.quant import QuantizedWeight, rows_of, stack_rows
 from ctxwarden.layers.mlp import activation, gated_mlp
 from ctxwarden.layers.norm import rms_norm
 from ctxwarden.layers.rotary import RotaryEmbedding, apply_rotary
 from ctxwarden.runner.attention import AttentionBackend, AttentionParams
 from ctxwarden.runner.inputs import StepInputs
 from ctxwarden.runner.kv_cache import PagedKVCache
+
+
+# Steps of at most this many rows take the fused ext/ ops (decode, small batches).
+FUSED_MAX_ROWS = 64
 
 
 @dataclass
@@ -61,14 +67,19 @@ class LlamaForCausalLM:
 
     norm_offset = 0.0  # RMSNorm scales by (offset + w); gemma uses 1
 
-    def __init__(self, spec: ModelSpec, embed: torch.Tensor, layers: list[LayerWeights],
-                 final_norm: torch.Tensor, lm_head: torch.Tensor):
-        """`lm_head` may be `embed` itself (tied); layers hold packed projections."""
+    def __init__(self, spec: ModelSpec, embed: torch.Tensor | QuantizedWeight,
+                 layers: list[LayerWeights], final_norm: torch.Tensor,
+                 lm_head: torch.Tensor | QuantizedWeight, dtype: torch.dtype | None = None):
+        """`lm_head` may be `embed` itself (tied); layers hold packed projections.
+
+        A quantized embedding (GGUF Q8_0 under weights=auto) stays quantized: lookups
+        dequantize only the rows asked for, and the tied lm_head uses the same codes.
+        """
         self.spec, self.embed_tokens, self.layers = spec, embed, layers
         # Reordered even when tied to the embedding (the lookup needs plain rows): the copy
         # costs vocab x hidden bytes and buys 1.3x at one row, 3.6x at 16 rows per step.
         self.final_norm, self.lm_head = final_norm, pack_linear(lm_head)
-        self.dtype = embed.dtype
+        self.dtype = dtype or final_norm.dtype
         self.act = activation(spec.hidden_act)
         self.q_size = spec.num_attention_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
@@ -112,35 +123,57 @@ class LlamaForCausalLM:
         return out
 
     @classmethod
-    def from_weights(cls, spec: ModelSpec, source, dtype: torch.dtype):
-        """Build the model from a checked WeightSource, reading each tensor once."""
-        embed = source.get("model.embed_tokens.weight", dtype)
-        lm_head = embed if spec.tie_word_embeddings else source.get("lm_head.weight", dtype)
-        layers = [cls._load_layer(spec, source, f"model.layers.{i}.", dtype)
+    def from_weights(cls, spec: ModelSpec, source, dtype: torch.dtype, weights: str = "fp32"):
+        """Build the model from a checked WeightSource, reading each tensor once.
+
+        `weights` (loader.WEIGHTS_MODES) says how projections are stored; norms stay in
+        `dtype`. A tied embedding shares the lm_head's codes when that is quantized.
+        """
+        name = "model.embed_tokens.weight"
+        # The lm_head is the one projection every token's logits go through: int4 keeps it
+        # at 8 bits (4-bit logits cost SmolLM2 +8.7% perplexity, 8-bit +0.2%), as
+        # llama.cpp's converters keep their output tensor at higher precision.
+        head_mode = "int8" if weights == "int4" else weights
+        if spec.tie_word_embeddings:
+            lm_head = source.get_linear(name, head_mode, dtype)
+            # a quantized table serves lookups too (rows dequantized on demand)
+            embed = lm_head if isinstance(lm_head, QuantizedWeight) else source.get(name, dtype)
+        else:
+            embed = source.get(name, dtype)
+            lm_head = source.get_linear("lm_head.weight", head_mode, dtype)
+        layers = [cls._load_layer(spec, source, f"model.layers.{i}.", dtype, weights)
                   for i in range(spec.num_layers)]
-        return cls(spec, embed, layers, source.get("model.norm.weight", dtype), lm_head)
+        return cls(spec, embed, layers, source.get("model.norm.weight", dtype), lm_head, dtype)
 
     @classmethod
-    def _load_layer(cls, spec: ModelSpec, source, p: str, dtype: torch.dtype) -> LayerWeights:
+    def _load_layer(cls, spec: ModelSpec, source, p: str, dtype: torch.dtype,
+                    weights: str) -> LayerWeights:
         def get(name):
             return source.get(p + name, dtype)
+
+        # A quantized weight is expanded for prefill-sized steps in the activations' dtype,
+        # not bf16: a recompute after preemption re-runs decoded tokens as one prefill, and
+        # must give the KV the decode steps wrote (the engine's pressure == no pressure).
+        def proj(*names):  # one projection, or several stacked along out_features
+            parts = [source.get_linear(p + n, weights, dtype) for n in names]
+            return pack_linear(parts[0] if len(parts) == 1 else stack_rows(parts), dense_dtype=dtype)
 
         def opt(name):
             return get(name) if p + name in source.infos else None
 
         if spec.model_type == "phi3":
-            qkv, gate_up, bias = get("self_attn.qkv_proj.weight"), get("mlp.gate_up_proj.weight"), None
+            qkv, gate_up, bias = proj("self_attn.qkv_proj.weight"), proj("mlp.gate_up_proj.weight"), None
         else:
-            qkv = torch.cat([get(f"self_attn.{x}_proj.weight") for x in "qkv"])
-            gate_up = torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")])
+            qkv = proj(*(f"self_attn.{x}_proj.weight" for x in "qkv"))
+            gate_up = proj("mlp.gate_proj.weight", "mlp.up_proj.weight")
             bias = (torch.cat([get(f"self_attn.{x}_proj.bias") for x in "qkv"])
                     if spec.attention_bias else None)
         return LayerWeights(
-            input_norm=get("input_layernorm.weight"), qkv=pack_linear(qkv), qkv_bias=bias,
-            o=pack_linear(get("self_attn.o_proj.weight")), q_norm=opt("self_attn.q_norm.weight") if spec.qk_norm else None,
+            input_norm=get("input_layernorm.weight"), qkv=qkv, qkv_bias=bias,
+            o=proj("self_attn.o_proj.weight"), q_norm=opt("self_attn.q_norm.weight") if spec.qk_norm else None,
             k_norm=opt("self_attn.k_norm.weight") if spec.qk_norm else None,
-            post_attn_norm=get("post_attention_layernorm.weight"), gate_up=pack_linear(gate_up),
-            down=pack_linear(get("mlp.down_proj.weight")),
+            post_attn_norm=get("post_attention_layernorm.weight"), gate_up=gate_up,
+            down=proj("mlp.down_proj.weight"),
             pre_ffn_norm=opt("pre_feedforward_layernorm.weight"),
             post_ffn_norm=opt("post_feedforward_layernorm.weight"))
 
@@ -150,10 +183,10 @@ class LlamaForCausalLM:
     def weights_bytes(self) -> int:
         """Bytes of every weight tensor held (tied embeddings counted once; the lm_head's
         reordered copy counted on its own, since it is memory held)."""
-        held = [self.embed_tokens, self.final_norm, self.lm_head.weight]
+        held = [self.embed_tokens, self.final_norm, self.lm_head]
         for layer in self.layers:
-            held += [getattr(t, "weight", t) for t in vars(layer).values() if t is not None]
-        return sum(t.nbytes for t in {id(t): t for t in held}.values())
+            held += [t for t in vars(layer).values() if t is not None]
+        return sum(_held_tensors(held).values())
 
     def forward(self, step: StepInputs, kv_cache: PagedKVCache, backend: AttentionBackend
                 ) -> torch.Tensor:
@@ -170,6 +203,8 @@ class LlamaForCausalLM:
         return linear(hidden, self.lm_head).float()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embed_tokens, QuantizedWeight):
+            return rows_of(self.embed_tokens, input_ids).to(self.dtype)
         return self.embed_tokens.index_select(0, input_ids)  # not [ids]: see attention._gather
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -181,9 +216,28 @@ class LlamaForCausalLM:
                                layer.window_tokens, layer.sink_tokens)
 
     def decoder_layer(self, layer_id, w: LayerWeights, x, step, rope, kv_cache, backend):
+        if self._is_fused_step(x):
+            return self._fused_decoder_layer(layer_id, w, x, step, rope, kv_cache, backend)
         h = self.norm(x, w.input_norm)
         x = x + self.attention(layer_id, w, h, step, rope, kv_cache, backend)
         return x + gated_mlp(self.norm(x, w.post_attn_norm), w.gate_up, w.down, self.act)
+
+    def _is_fused_step(self, x: torch.Tensor) -> bool:
+        """Few fp32 rows and a plain llama layer: the ext/ fused ops replace the small ops.
+
+        A decode step's per-layer cost is mostly the dispatch of ~40 tiny torch ops; the
+        fused ones (one norm, one rotate-and-write, one attention, ...) do the same math
+        in ~10 calls. Long prefills keep the torch ops, which are vectorized and parallel.
+        """
+        return (x.shape[0] <= FUSED_MAX_ROWS and x.dtype == torch.float32 and kernels() is not None
+                and self.spec.hidden_act in ("silu", "swish") and not self.spec.qk_norm)
+
+    def _fused_decoder_layer(self, layer_id, w: LayerWeights, x, step, rope, kv_cache, backend):
+        ext, eps = kernels(), self.spec.rms_norm_eps
+        h = ext.rms_norm(x, w.input_norm, eps, self.norm_offset)
+        attn = self.attention(layer_id, w, h, step, rope, kv_cache, backend)
+        h = ext.add_rms_norm(x, attn, w.post_attn_norm, eps, self.norm_offset)  # x += attn
+        return x.add_(linear(ext.silu_mul(linear(h, w.gate_up)), w.down))
 
     def attention(self, layer_id, w: LayerWeights, h, step: StepInputs, rope: StepRope,
                   kv_cache: PagedKVCache, backend: AttentionBackend) -> torch.Tensor:
@@ -200,6 +254,13 @@ class LlamaForCausalLM:
         local = self.rotary_local is not None and self.spec.rope_for_layer(layer_id) is self.spec.rope_local
         cos, sin = rope.tables[("tok", local)]
         sink = rope.tables.get(("sink", local, layer.group_index))
+        group = step.groups[layer.group_index]
+        if (sink is None or not layer.sink_tokens) and w.q_norm is None and self._is_fused_step(h):
+            # rotate q and k, write k and v to their pages, in one call (ext/kernels.cpp)
+            q = kernels().rope_write_kv(qkv, cos, sin, layer.key, layer.value, group.slot_mapping,
+                                        self.spec.num_attention_heads, self.spec.num_kv_heads, d)
+            out = backend.forward(q, None, layer, group, self.attention_params(layer_id, kv_cache))
+            return linear(out.reshape(t, self.q_size), w.o)
         q_sink = apply_rotary(q, *sink) if sink is not None and layer.sink_tokens else None
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         kv_cache.write(layer, k, v, step.groups[layer.group_index].slot_mapping)
@@ -219,3 +280,14 @@ class LlamaForCausalLM:
                     tables[("sink", local, g)] = rotary.cos_sin(group.sink_query_positions,
                                                                 step.rope_seq_lens)
         return StepRope(tables)
+
+
+def _held_tensors(held: list) -> dict[int, int]:
+    """Bytes per distinct tensor under weights, packed weights and quantized codes."""
+    out = {}
+    for item in held:
+        quant = getattr(item, "quant", None) or (item if isinstance(item, QuantizedWeight) else None)
+        tensors = ([t for t in (quant.codes, quant.scale, quant.zero) if t is not None] if quant
+                   else [getattr(item, "weight", item)])
+        out.update({id(t): t.nbytes for t in tensors})
+    return out

@@ -20,8 +20,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ctxwarden.spec.checkpoint import Checkpoint, resolve_checkpoint
+from ctxwarden.engine.config import WEIGHTS_MODES
 from ctxwarden.errors import WeightsError
+from ctxwarden.layers.quant import (GGUF_KINDS, GROUP, Q4, Q8, QuantizedWeight, from_gguf_blocks,
+                                    permute_rows, quantize)
+from ctxwarden.spec.checkpoint import Checkpoint, resolve_checkpoint
 from ctxwarden.spec.dtypes import ACTIVATION_DTYPES, DTYPES, canonical_dtype
 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -89,6 +92,28 @@ class WeightSource:
     def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
 
+    def get_linear(self, name: str, weights: str, dtype: torch.dtype) -> torch.Tensor | QuantizedWeight:
+        """A projection weight as `weights` mode stores it (see WEIGHTS_MODES).
+
+        auto keeps what the file stores quantized (GGUF Q4_0 / Q4_1 / Q8_0) quantized and
+        loads the rest in `dtype`; int4 / int8 quantize every projection (a GGUF tensor
+        already of that kind is kept as it is); fp32 / bf16 are dense.
+        """
+        if weights in ("fp32", "bf16"):
+            return self.get(name, torch.float32 if weights == "fp32" else torch.bfloat16)
+        stored = self.get_quantized(name)
+        if weights == "auto":
+            return stored if stored is not None else self.get(name, dtype)
+        kind = {"int4": Q4, "int8": Q8}[weights]
+        if stored is not None and stored.kind == kind:
+            return stored
+        dense = self.get(name, torch.float32)
+        return quantize(dense, kind) if dense.shape[-1] % GROUP == 0 else dense.to(dtype)
+
+    def get_quantized(self, name: str) -> QuantizedWeight | None:
+        """The tensor's codes as stored, if the file stores it group-quantized (GGUF)."""
+        return None
+
 
 class SafetensorsSource(WeightSource):
     """Shards of a Hugging Face directory, memory-mapped by `safetensors.safe_open`."""
@@ -148,14 +173,36 @@ class GGUFSource(WeightSource):
         t, qtype = self._tensors[name]
         data = _dequantize(self._map, t, qtype).reshape(self.infos[name].shape)
         out = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy
-        if self.model_type in ("llama", "mistral"):
-            if name.endswith("self_attn.q_proj.weight"):
-                out = _unpermute_rope_rows(out, self.num_heads)
-            elif name.endswith("self_attn.k_proj.weight"):
-                out = _unpermute_rope_rows(out, self.num_kv_heads)
+        heads = self._rope_permuted_heads(name)
+        if heads:
+            out = _unpermute_rope_rows(out, heads)
         if self.model_type == "gemma2" and name.endswith("norm.weight"):
             out = out - 1.0
         return out.to(dtype)
+
+    def get_quantized(self, name: str) -> QuantizedWeight | None:
+        t, qtype = self._tensors[name]
+        shape = self.infos[name].shape
+        if qtype.name not in GGUF_KINDS or len(shape) != 2:
+            return None
+        from gguf.constants import GGML_QUANT_SIZES
+
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        raw = self._map[t.offset:t.offset + int(np.prod(t.dims)) // block * type_size]
+        q = from_gguf_blocks(raw, qtype.name, shape)
+        heads = self._rope_permuted_heads(name)
+        if heads:
+            order = _unpermute_rope_rows(torch.arange(shape[0])[:, None], heads)[:, 0]
+            q = permute_rows(q, order)
+        return q
+
+    def _rope_permuted_heads(self, name: str) -> int:
+        """Heads of a llama.cpp Q/K weight whose rows must be un-permuted; 0 for the rest."""
+        if self.model_type not in ("llama", "mistral"):
+            return 0
+        if name.endswith("self_attn.q_proj.weight"):
+            return self.num_heads
+        return self.num_kv_heads if name.endswith("self_attn.k_proj.weight") else 0
 
 
 def _quant_type(enum, t, path: Path):
@@ -216,7 +263,8 @@ def open_weights(ckpt: Checkpoint) -> WeightSource:
                        "planned but not run. Build one with `ctxwarden make-model`.")
 
 
-def load_model(model: str | Path | Checkpoint | None = None, dtype: str = "float32"):
+def load_model(model: str | Path | Checkpoint | None = None, dtype: str = "float32",
+               weights: str = "fp32"):
     """Load a checkpoint (HF dir, config.json dir, .gguf, or None = default) for inference.
 
     Order matters: the architecture and every tensor's name, shape and type are checked
@@ -228,5 +276,7 @@ def load_model(model: str | Path | Checkpoint | None = None, dtype: str = "float
     cls = model_class(ckpt.spec, str(ckpt.path))
     source = open_weights(ckpt)
     source.check(cls.expected_tensors(ckpt.spec))
+    if weights not in WEIGHTS_MODES:
+        raise ValueError(f"weights must be one of {WEIGHTS_MODES}, got {weights!r}")
     with torch.inference_mode():
-        return cls.from_weights(ckpt.spec, source, torch_dtype(dtype))
+        return cls.from_weights(ckpt.spec, source, torch_dtype(dtype), weights)

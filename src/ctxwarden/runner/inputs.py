@@ -113,6 +113,8 @@ class DecodeKeys:
     key_positions: torch.Tensor  # [B, M]
     is_valid: torch.Tensor  # [B, M] bool
     query_positions: torch.Tensor  # [B]
+    num_keys: torch.Tensor  # [B] valid keys of each row (a prefix of the row)
+    num_sink_keys: torch.Tensor  # [B] leading keys that are sinks (scored against q_sink)
 
 
 @dataclass(frozen=True)
@@ -194,7 +196,7 @@ def _group_inputs(batch: ForwardBatch, layout: KVLayout, g: int) -> GroupInputs:
                                  _slots(table, k_pos, layout.block_size), k_pos,
                                  seq.num_computed_tokens))
         start += seq.num_new_tokens
-    decode = _decode_keys(seqs) if batch.is_decode else None
+    decode = _decode_keys(seqs, sinks) if batch.is_decode else None
     sink_q = None
     if sinks:
         # StreamingLLM: positions are re-assigned inside the cache, so a query past the
@@ -203,7 +205,7 @@ def _group_inputs(batch: ForwardBatch, layout: KVLayout, g: int) -> GroupInputs:
     return GroupInputs(torch.cat(slot_parts), tuple(seqs), decode, sink_q)
 
 
-def _decode_keys(seqs: list[SequenceKeys]) -> DecodeKeys:
+def _decode_keys(seqs: list[SequenceKeys], sinks: int) -> DecodeKeys:
     width = max(s.key_slots.shape[0] for s in seqs)
     slots = torch.zeros(len(seqs), width, dtype=torch.long)
     positions = torch.zeros(len(seqs), width, dtype=torch.long)
@@ -212,4 +214,6 @@ def _decode_keys(seqs: list[SequenceKeys]) -> DecodeKeys:
         m = s.key_slots.shape[0]
         slots[b, :m], positions[b, :m], valid[b, :m] = s.key_slots, s.key_positions, True
     q_pos = torch.cat([s.query_positions for s in seqs])
-    return DecodeKeys(slots, positions, valid, q_pos)
+    num_keys = torch.tensor([s.key_slots.shape[0] for s in seqs], dtype=torch.long)
+    num_sinks = ((positions < sinks) & valid).sum(1) if sinks else torch.zeros_like(num_keys)
+    return DecodeKeys(slots, positions, valid, q_pos, num_keys, num_sinks)

@@ -30,6 +30,21 @@ def kv_torch_dtype(kv_dtype: str) -> torch.dtype:
     return getattr(torch, DTYPES[canonical_dtype(kv_dtype, STORABLE_KV_DTYPES, "kv dtype")].torch_name)
 
 
+def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """Zeros whose pages the OS hands out on first touch: RSS tracks use, not pool size.
+
+    torch.zeros writes every byte (a 2 GiB pool is 2 GiB of RSS at start-up); numpy's
+    zeros is calloc, which for large sizes maps fresh zero pages without touching them.
+    Zeros rather than empty: masked-out padding of a batched decode still multiplies
+    its values by 0, and recycled memory could hold NaN.
+    """
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    width = torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(shape, dtype={2: np.uint16, 4: np.float32, 8: np.float64}[width])
+    return torch.from_numpy(raw).view(dtype)
+
+
 @dataclass(frozen=True)
 class LayerKV:
     """One layer's view of the pool: its tensor pair and its group's window rules."""
@@ -54,7 +69,7 @@ class PageCopy:
 
 
 class PagedKVCache:
-    """K/V tensors for `num_blocks` pages of `layout`, allocated (and touched) once."""
+    """K/V tensors for `num_blocks` pages of `layout`, allocated once, touched as used."""
 
     def __init__(self, layout: KVLayout, num_blocks: int, num_kv_heads: int, head_dim: int,
                  kv_dtype: str = "fp32", device: str | torch.device = "cpu"):
@@ -65,12 +80,8 @@ class PagedKVCache:
         self.block_size = layout.block_size
         dtype = kv_torch_dtype(kv_dtype)
         shape = (num_blocks, layout.block_size, num_kv_heads, head_dim)
-        # zeros, not empty: the first touch of fresh pages is slow on these VMs, so pay it
-        # here once rather than inside the first long prefill.
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device)
-                     for _ in range(layout.layers_per_group)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device)
-                       for _ in range(layout.layers_per_group)]
+        self.keys = [_lazy_zeros(shape, dtype, device) for _ in range(layout.layers_per_group)]
+        self.values = [_lazy_zeros(shape, dtype, device) for _ in range(layout.layers_per_group)]
         self._slot_of_layer = {layer: (g_index, j)
                                for g_index, g in enumerate(layout.groups)
                                for j, layer in enumerate(g.layer_ids)}

@@ -9,6 +9,7 @@ manager's business, handed in through the block tables.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +35,7 @@ class RunnerConfig:
     window_tokens: int | None = None  # sink mode: rolling window after the sinks
     sink_tokens: int = 0
     attention_backend: str = "torch"
+    weights: str = "fp32"  # models.loader.WEIGHTS_MODES: how projections are stored
 
     def __post_init__(self):
         if self.num_blocks < 1:
@@ -43,8 +45,29 @@ class RunnerConfig:
         if self.attention_backend not in _BACKENDS:
             raise ValueError(f"attention_backend {self.attention_backend!r} is not one of "
                              f"{sorted(_BACKENDS)}")
+        from ctxwarden.engine.config import WEIGHTS_MODES
+
+        if self.weights not in WEIGHTS_MODES:
+            raise ValueError(f"weights must be one of {WEIGHTS_MODES}, got {self.weights!r}")
         if self.sink_tokens and not self.window_tokens:
             raise ValueError("sink_tokens needs window_tokens (the rolling window after the sinks)")
+
+
+# oneDNN primitives cached per process (its default is 1,024). An entry can hold a
+# reordered copy of its weight, and a quantized weight expanded for one prefill GEMM is a
+# new tensor every call: with 256 entries a server grew ~1.3 MB per request of a new
+# length even with bucketed shapes; with 16 it stays flat (tests/server/
+# test_memory_growth.py). 16 still holds a decode step's 5 weight shapes, so steady decode
+# never rebuilds a primitive; a prefill GEMM of >= 64 rows dwarfs a rebuild.
+PRIMITIVE_CACHE_CAPACITY = 16
+
+
+def bound_primitive_cache() -> None:
+    """Cap oneDNN's primitive cache unless the operator set it; oneDNN reads the variable
+    when it creates its cache, i.e. at the first oneDNN primitive of the process."""
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(PRIMITIVE_CACHE_CAPACITY))
+    # ideep (torch's oneDNN wrapper) keeps an LRU of its own, 1,024 entries by default
+    os.environ.setdefault("LRU_CACHE_CAPACITY", str(PRIMITIVE_CACHE_CAPACITY))
 
 
 class ModelRunner:
@@ -53,12 +76,13 @@ class ModelRunner:
     def __init__(self, model: str | Path | Checkpoint | None, config: RunnerConfig):
         from ctxwarden.models.loader import load_model
 
+        bound_primitive_cache()
         self.checkpoint = model if isinstance(model, Checkpoint) else resolve_checkpoint(model)
         self.config = config
         self.spec = self.checkpoint.spec
         self.layout: KVLayout = kv_layout(self.spec, config.kv_dtype, config.block_size,
                                           config.window_tokens, config.sink_tokens)
-        self.model = load_model(self.checkpoint, config.dtype)
+        self.model = load_model(self.checkpoint, config.dtype, config.weights)
         self.kv_cache = PagedKVCache(self.layout, config.num_blocks, self.spec.num_kv_heads,
                                      self.spec.head_dim, config.kv_dtype)
         self.backend: AttentionBackend = _BACKENDS[config.attention_backend]()

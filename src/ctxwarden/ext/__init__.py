@@ -1,0 +1,47 @@
+"""ctxwarden's optional C++ kernels (kernels.cpp), built once by `make install`.
+
+`python -m ctxwarden.ext.build` compiles kernels.cpp with the machine's compiler into
+`_build/` beside this file (torch.utils.cpp_extension, -O3 -march=native: the machine that
+installs is the machine that runs). `kernels()` imports the built module, or returns None
+when it was never built or cannot load; every caller then takes its plain-torch path, so a
+machine without a compiler still runs, only slower. Set CTXWARDEN_NO_EXT=1 to force the
+fallback (the tests run both ways).
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import os
+from functools import lru_cache
+from pathlib import Path
+
+MODULE_NAME = "ctxwarden_kernels"
+SOURCE = Path(__file__).with_name("kernels.cpp")
+BUILD_DIR = Path(__file__).with_name("_build")
+
+
+def built_library() -> Path | None:
+    """The compiled module's file, if `make install` built one."""
+    found = sorted(BUILD_DIR.glob(f"{MODULE_NAME}*.so"))
+    return found[0] if found else None
+
+
+@lru_cache(maxsize=1)
+def kernels():
+    """The compiled kernels module, or None (not built, disabled, or failed to load)."""
+    if os.environ.get("CTXWARDEN_NO_EXT"):
+        return None
+    path = built_library()
+    if path is None or path.stat().st_mtime < SOURCE.stat().st_mtime:
+        return None  # never built, or built from an older kernels.cpp: rebuild with make install
+    import torch  # noqa: F401  (the module links against torch's libraries)
+
+    try:
+        loader = importlib.machinery.ExtensionFileLoader(MODULE_NAME, str(path))
+        spec = importlib.util.spec_from_file_location(MODULE_NAME, path, loader=loader)
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+    except (ImportError, OSError):
+        return None
+    return module

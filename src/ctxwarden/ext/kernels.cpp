@@ -1,0 +1,562 @@
+// ctxwarden's CPU kernels: quantized linear layers with fp32 activations and paged decode
+// attention that reads K/V pages where they lie. Built by `make install` with the machine's
+// compiler (torch.utils.cpp_extension, -O3 -march=native); ctxwarden falls back to plain
+// torch ops when this extension is absent.
+//
+// Why fp32 activations: a GGUF's Q4_1 / Q8_0 weights dequantize to exact fp32 values
+// (d * q + m); multiplying them with fp32 activations reproduces the dequantized fp32
+// model up to summation order, so quantized storage costs no accuracy at all. torch's own
+// int4 / int8 CPU kernels are fast only with bf16 activations.
+//
+// Layouts (groups of 32 along the input dimension K, G = K / 32):
+//   q4: codes uint8 [N, K/2]; group g of row n is 16 bytes, element i < 16 in the low
+//       nibble of byte i, element 16 + i in its high nibble (GGUF's Q4_0/Q4_1 order);
+//       scale, zero fp16 [N, G] (as GGUF stores them): w = scale * code + zero.
+//   q8: codes int8 [N, K], scale fp16 [N, G]: w = scale * code.
+//   KV pool: [num_blocks, block_size, num_kv_heads, head_dim] fp32 or bf16; a key is one
+//       flat slot (block * block_size + offset).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+
+inline float half_to_float(at::Half h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h.x);
+#else
+  return static_cast<float>(h);
+#endif
+}
+
+#if defined(__AVX512F__)
+
+inline __m512 load_row16(const float* p) { return _mm512_loadu_ps(p); }
+
+inline __m512 load_row16(const at::BFloat16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// The 32 dequantized weights of one q4 group as two vectors (elements 0-15, 16-31).
+inline void dequant_q4(const uint8_t* codes, float scale, float zero, __m512& lo, __m512& hi) {
+  __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+  __m512i mask = _mm512_set1_epi32(0x0F);
+  __m512 s = _mm512_set1_ps(scale), z = _mm512_set1_ps(zero);
+  lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, mask)), s, z);
+  hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), s, z);
+}
+
+inline void dequant_q8(const int8_t* codes, float scale, __m512& lo, __m512& hi) {
+  __m512 s = _mm512_set1_ps(scale);
+  lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+           _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)))), s);
+  hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+           _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16)))), s);
+}
+
+// y[m0..m0+R, n0..n0+NB] for R rows of x and NB weight rows: each group of each weight
+// row is dequantized once and used by R rows; the NB x R x 2 accumulators are independent
+// chains, so the FMAs pipeline instead of waiting on each other's latency.
+template <int NB, int R, typename Dequant>
+inline void dot_block(const float* x, int64_t k, int64_t m0, int64_t n0, int64_t groups,
+                      Dequant dequant, float* y, int64_t ldy) {
+  __m512 acc_lo[NB][R], acc_hi[NB][R];
+  for (int b = 0; b < NB; ++b)
+    for (int r = 0; r < R; ++r) acc_lo[b][r] = acc_hi[b][r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 lo[NB], hi[NB];
+    for (int b = 0; b < NB; ++b) dequant(n0 + b, g, lo[b], hi[b]);
+    for (int r = 0; r < R; ++r) {
+      const float* xr = x + (m0 + r) * k + g * kGroup;
+      const __m512 xl = _mm512_loadu_ps(xr), xh = _mm512_loadu_ps(xr + 16);
+      for (int b = 0; b < NB; ++b) {
+        acc_lo[b][r] = _mm512_fmadd_ps(lo[b], xl, acc_lo[b][r]);
+        acc_hi[b][r] = _mm512_fmadd_ps(hi[b], xh, acc_hi[b][r]);
+      }
+    }
+  }
+  for (int b = 0; b < NB; ++b)
+    for (int r = 0; r < R; ++r)
+      y[(m0 + r) * ldy + n0 + b] = _mm512_reduce_add_ps(_mm512_add_ps(acc_lo[b][r], acc_hi[b][r]));
+}
+
+// Weight rows [n_begin, n_end) against every row of x.
+template <typename Dequant>
+inline void dot_range(const float* x, int64_t m, int64_t k, int64_t n_begin, int64_t n_end,
+                      int64_t groups, Dequant dequant, float* y, int64_t ldy) {
+  int64_t n0 = n_begin;
+  for (; n0 + 4 <= n_end; n0 += 4) {
+    int64_t m0 = 0;
+    for (; m0 + 3 <= m; m0 += 3) dot_block<4, 3>(x, k, m0, n0, groups, dequant, y, ldy);
+    for (; m0 < m; ++m0) dot_block<4, 1>(x, k, m0, n0, groups, dequant, y, ldy);
+  }
+  for (; n0 < n_end; ++n0)
+    for (int64_t m0 = 0; m0 < m; ++m0) dot_block<1, 1>(x, k, m0, n0, groups, dequant, y, ldy);
+}
+
+#endif  // __AVX512F__
+
+void check_linear_args(const at::Tensor& x, const at::Tensor& scale, int64_t k) {
+  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
+              "x must be a contiguous fp32 [M, K] tensor");
+  TORCH_CHECK(x.size(1) == k, "x has ", x.size(1), " features, the weight ", k);
+  TORCH_CHECK(k % kGroup == 0, "K must be a multiple of 32, got ", k);
+  TORCH_CHECK(scale.dtype() == at::kHalf && scale.is_contiguous(), "scales must be fp16");
+}
+
+// Grain of the parallel loop over output features: enough rows that a thread's share
+// is worth waking it for (a wake-up costs tens of microseconds under a passive policy).
+int64_t feature_grain(int64_t m, int64_t k) {
+  return std::max<int64_t>(16, (1 << 17) / std::max<int64_t>(1, m * k / 8));
+}
+
+}  // namespace
+
+// y [M, N] = x [M, K] @ dequant(q4 weight)^T, fp32 throughout.
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                     const at::Tensor& zero) {
+  const int64_t n = codes.size(0), k = codes.size(1) * 2, m = x.size(0), groups = k / kGroup;
+  check_linear_args(x, scale, k);
+  TORCH_CHECK(codes.dtype() == at::kByte && codes.is_contiguous(), "q4 codes must be uint8");
+  at::Tensor y = at::empty({m, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  TORCH_CHECK(zero.dtype() == at::kHalf && zero.is_contiguous(), "zeros must be fp16");
+  const at::Half *sp = scale.data_ptr<at::Half>(), *zp = zero.data_ptr<at::Half>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, n, feature_grain(m, k), [&](int64_t begin, int64_t end) {
+#if defined(__AVX512F__)
+    auto dq = [&](int64_t j, int64_t g, __m512& lo, __m512& hi) {
+      dequant_q4(cp + j * (k / 2) + g * 16, half_to_float(sp[j * groups + g]),
+                 half_to_float(zp[j * groups + g]), lo, hi);
+    };
+    dot_range(xp, m, k, begin, end, groups, dq, yp, n);
+#else
+    for (int64_t j = begin; j < end; ++j) {
+      const uint8_t* row = cp + j * (k / 2);
+      const at::Half *rs = sp + j * groups, *rz = zp + j * groups;
+      for (int64_t r = 0; r < m; ++r) {
+        float acc = 0.f;
+        for (int64_t g = 0; g < groups; ++g)
+          for (int i = 0; i < 16; ++i) {
+            uint8_t b = row[g * 16 + i];
+            const float s = rs[g], z = rz[g];
+            acc += (s * (b & 0x0F) + z) * xp[r * k + g * kGroup + i];
+            acc += (s * (b >> 4) + z) * xp[r * k + g * kGroup + 16 + i];
+          }
+        yp[r * n + j] = acc;
+      }
+    }
+#endif
+  });
+  return y;
+}
+
+// y [M, N] = x [M, K] @ dequant(q8 weight)^T, fp32 throughout.
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale) {
+  const int64_t n = codes.size(0), k = codes.size(1), m = x.size(0), groups = k / kGroup;
+  check_linear_args(x, scale, k);
+  TORCH_CHECK(codes.dtype() == at::kChar && codes.is_contiguous(), "q8 codes must be int8");
+  at::Tensor y = at::empty({m, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const int8_t* cp = codes.data_ptr<int8_t>();
+  const at::Half* sp = scale.data_ptr<at::Half>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, n, feature_grain(m, k), [&](int64_t begin, int64_t end) {
+#if defined(__AVX512F__)
+    auto dq = [&](int64_t j, int64_t g, __m512& lo, __m512& hi) {
+      dequant_q8(cp + j * k + g * kGroup, half_to_float(sp[j * groups + g]), lo, hi);
+    };
+    dot_range(xp, m, k, begin, end, groups, dq, yp, n);
+#else
+    for (int64_t j = begin; j < end; ++j) {
+      const int8_t* row = cp + j * k;
+      const at::Half* rs = sp + j * groups;
+      for (int64_t r = 0; r < m; ++r) {
+        float acc = 0.f;
+        for (int64_t i = 0; i < k; ++i) acc += static_cast<float>(rs[i / kGroup]) * row[i] * xp[r * k + i];
+        yp[r * n + j] = acc;
+      }
+    }
+#endif
+  });
+  return y;
+}
+
+namespace {
+
+template <typename T>
+inline void store16(T* dst, const float* src) {
+  for (int i = 0; i < 16; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+#if defined(__AVX512F__)
+inline void store16(float* dst, __m512 v) { _mm512_storeu_ps(dst, v); }
+#if defined(__AVX512BF16__)
+inline void store16(at::BFloat16* dst, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+}
+#else
+inline void store16(at::BFloat16* dst, __m512 v) {
+  alignas(64) float tmp[16];
+  _mm512_store_ps(tmp, v);
+  store16(dst, tmp);
+}
+#endif
+#endif
+
+template <typename T>
+void q4_dequantize_into(const uint8_t* cp, const at::Half* sp, const at::Half* zp, int64_t n,
+                        int64_t k, T* wp) {
+  const int64_t groups = k / kGroup;
+  // ~0.25 ms per 1.8M weights on one core: split only far larger weights (a second thread
+  // that has to wait for a shared core stalls the whole region for milliseconds)
+  at::parallel_for(0, n, std::max<int64_t>(64, (1 << 23) / k), [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j)
+      for (int64_t g = 0; g < groups; ++g) {
+        const float s = half_to_float(sp[j * groups + g]), z = half_to_float(zp[j * groups + g]);
+        T* dst = wp + j * k + g * kGroup;
+#if defined(__AVX512F__)
+        __m512 lo, hi;
+        dequant_q4(cp + j * (k / 2) + g * 16, s, z, lo, hi);
+        store16(dst, lo);
+        store16(dst + 16, hi);
+#else
+        for (int i = 0; i < 16; ++i) {
+          const uint8_t b = cp[j * (k / 2) + g * 16 + i];
+          dst[i] = static_cast<T>(s * (b & 0x0F) + z);
+          dst[16 + i] = static_cast<T>(s * (b >> 4) + z);
+        }
+#endif
+      }
+  });
+}
+
+}  // namespace
+
+// Dequantize a q4 weight to a dense [N, K] fp32 or bf16 tensor (for prefill-sized steps,
+// where one dense GEMM beats the dequantizing kernel); vectorized and parallel.
+at::Tensor q4_dequantize(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& zero,
+                         bool to_bf16) {
+  const int64_t n = codes.size(0), k = codes.size(1) * 2;
+  TORCH_CHECK(scale.dtype() == at::kHalf && zero.dtype() == at::kHalf, "scales must be fp16");
+  at::Tensor w = at::empty({n, k}, scale.options().dtype(to_bf16 ? at::kBFloat16 : at::kFloat));
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const at::Half *sp = scale.data_ptr<at::Half>(), *zp = zero.data_ptr<at::Half>();
+  if (to_bf16)
+    q4_dequantize_into(cp, sp, zp, n, k, w.data_ptr<at::BFloat16>());
+  else
+    q4_dequantize_into(cp, sp, zp, n, k, w.data_ptr<float>());
+  return w;
+}
+
+namespace {
+
+// What one decode query needs to know about the keys it reads.
+struct DecodeArgs {
+  int64_t num_kv_heads, group, head_dim;
+  float scale, softcap;  // softcap <= 0: none
+};
+
+template <typename T>
+inline float dot_head(const float* q, const T* k, int64_t d) {
+#if defined(__AVX512F__)
+  if (d % 16 == 0) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load_row16(k + i), acc);
+    return _mm512_reduce_add_ps(acc);
+  }
+#endif
+  float acc = 0.f;
+  for (int64_t i = 0; i < d; ++i) acc += q[i] * static_cast<float>(k[i]);
+  return acc;
+}
+
+template <typename T>
+inline void axpy_head(float p, const T* v, float* out, int64_t d) {
+#if defined(__AVX512F__)
+  if (d % 16 == 0) {
+    __m512 pv = _mm512_set1_ps(p);
+    for (int64_t i = 0; i < d; i += 16)
+      _mm512_storeu_ps(out + i, _mm512_fmadd_ps(pv, load_row16(v + i), _mm512_loadu_ps(out + i)));
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < d; ++i) out[i] += p * static_cast<float>(v[i]);
+}
+
+#if defined(__AVX512F__)
+// e^x for x <= 0 (scores minus their max): 2^(x log2 e) split as 2^n * 2^f, |f| <= 1/2,
+// 2^f by its Taylor series to degree 7 (relative error < 2e-8 on that range).
+inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-100.f)), _mm512_set1_ps(1.4426950408889634f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));  // f ln 2
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+inline float exp_sum(float* scores, int64_t n, float top) {
+  int64_t j = 0;
+  float total = 0.f;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; j + 16 <= n; j += 16) {
+    __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + j), _mm512_set1_ps(top)));
+    _mm512_storeu_ps(scores + j, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  total = _mm512_reduce_add_ps(acc);
+#endif
+  for (; j < n; ++j) total += (scores[j] = std::exp(scores[j] - top));
+  return total;
+}
+
+// One (sequence, KV head): softmax over its keys for the `group` query heads sharing it.
+// Keys [0, num_sink) are scored against q_sink (StreamingLLM's re-positioned query).
+// Each key row and value row is read once for the whole group; with head_dim 64 and up
+// to 4 query heads the group's outputs live in registers (kMaxAcc vectors).
+constexpr int kMaxAcc = 16;
+
+template <typename T>
+void decode_one_head(const DecodeArgs& a, const float* q, const float* q_sink, const T* kp,
+                     const T* vp, const int64_t* slots, int64_t num_keys, int64_t num_sink,
+                     int64_t h, float* out, std::vector<float>& scores) {
+  const int64_t d = a.head_dim, row = a.num_kv_heads * d, g_count = a.group;
+  scores.resize(g_count * num_keys);
+  for (int64_t j = 0; j < num_keys; ++j) {
+    const T* krow = kp + slots[j] * row + h * d;
+    const float* qq = (j < num_sink ? q_sink : q) + h * g_count * d;
+    for (int64_t g = 0; g < g_count; ++g) {
+      float sc = dot_head(qq + g * d, krow, d) * a.scale;
+      if (a.softcap > 0) sc = a.softcap * std::tanh(sc / a.softcap);
+      scores[g * num_keys + j] = sc;
+    }
+  }
+  std::vector<float> inv_total(g_count);
+  for (int64_t g = 0; g < g_count; ++g) {
+    float* sg = scores.data() + g * num_keys;
+    const float top = *std::max_element(sg, sg + num_keys);
+    inv_total[g] = 1.f / exp_sum(sg, num_keys, top);
+  }
+#if defined(__AVX512F__)
+  const int64_t vecs = d / 16;
+  if (d % 16 == 0 && g_count * vecs <= kMaxAcc) {
+    __m512 acc[kMaxAcc];
+    for (int i = 0; i < g_count * vecs; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < num_keys; ++j) {
+      const T* vrow = vp + slots[j] * row + h * d;
+      for (int64_t c = 0; c < vecs; ++c) {
+        const __m512 v = load_row16(vrow + c * 16);
+        for (int64_t g = 0; g < g_count; ++g)
+          acc[g * vecs + c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * num_keys + j]), v, acc[g * vecs + c]);
+      }
+    }
+    for (int64_t g = 0; g < g_count; ++g)
+      for (int64_t c = 0; c < vecs; ++c)
+        _mm512_storeu_ps(out + (h * g_count + g) * d + c * 16,
+                         _mm512_mul_ps(acc[g * vecs + c], _mm512_set1_ps(inv_total[g])));
+    return;
+  }
+#endif
+  for (int64_t g = 0; g < g_count; ++g) {
+    float* o = out + (h * g_count + g) * d;
+    std::fill(o, o + d, 0.f);
+    for (int64_t j = 0; j < num_keys; ++j)
+      axpy_head(scores[g * num_keys + j] * inv_total[g], vp + slots[j] * row + h * d, o, d);
+  }
+}
+
+template <typename T>
+void decode_attention_impl(const DecodeArgs& a, const at::Tensor& q, const at::Tensor& q_sink,
+                           const at::Tensor& k_pool, const at::Tensor& v_pool,
+                           const at::Tensor& slots, const at::Tensor& num_keys,
+                           const at::Tensor& num_sink, at::Tensor& out) {
+  const int64_t b = q.size(0), width = slots.size(1), hq = q.size(1), d = a.head_dim;
+  const float* qp = q.data_ptr<float>();
+  const float* qsp = q_sink.defined() ? q_sink.data_ptr<float>() : qp;
+  const T *kp = k_pool.data_ptr<T>(), *vp = v_pool.data_ptr<T>();
+  const int64_t *sp = slots.data_ptr<int64_t>(), *np = num_keys.data_ptr<int64_t>();
+  const int64_t* nsp = num_sink.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  // One task per (sequence, KV head); small steps stay on one thread (no wake-up).
+  const int64_t work = b * a.num_kv_heads, keys = num_keys.sum().item<int64_t>();
+  const int64_t grain = keys * hq * d < (1 << 18) ? work : 1;
+  at::parallel_for(0, work, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t s = t / a.num_kv_heads, h = t % a.num_kv_heads;
+      decode_one_head<T>(a, qp + s * hq * d, qsp + s * hq * d, kp, vp, sp + s * width, np[s],
+                         nsp[s], h, op + s * hq * d, scores);  // heads h*G .. h*G+G-1
+    }
+  });
+}
+
+}  // namespace
+
+// Decode attention over paged K/V read in place: q [B, Hq, D] fp32, pools
+// [blocks, block_size, Hkv, D], slots [B, W] int64 (row s reads its first num_keys[s]),
+// the first num_sink[s] keys scored against q_sink (may be empty). -> [B, Hq, D] fp32.
+at::Tensor paged_decode_attention(const at::Tensor& q, const c10::optional<at::Tensor>& q_sink,
+                                  const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                  const at::Tensor& slots, const at::Tensor& num_keys,
+                                  const at::Tensor& num_sink, double scale, double softcap) {
+  TORCH_CHECK(q.dtype() == at::kFloat && q.is_contiguous() && q.dim() == 3, "q must be fp32 [B, Hq, D]");
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.dim() == 4, "pools must be contiguous");
+  TORCH_CHECK(slots.dtype() == at::kLong && num_keys.dtype() == at::kLong && num_sink.dtype() == at::kLong,
+              "slots and counts must be int64");
+  const int64_t hkv = k_pool.size(2);
+  TORCH_CHECK(q.size(1) % hkv == 0, "query heads must be a multiple of KV heads");
+  DecodeArgs a{hkv, q.size(1) / hkv, q.size(2), static_cast<float>(scale), static_cast<float>(softcap)};
+  at::Tensor qs = q_sink.has_value() ? q_sink->contiguous() : at::Tensor();
+  at::Tensor out = at::empty_like(q);
+  at::Tensor sl = slots.contiguous();
+  if (k_pool.dtype() == at::kFloat)
+    decode_attention_impl<float>(a, q, qs, k_pool, v_pool, sl, num_keys, num_sink, out);
+  else if (k_pool.dtype() == at::kBFloat16)
+    decode_attention_impl<at::BFloat16>(a, q, qs, k_pool, v_pool, sl, num_keys, num_sink, out);
+  else
+    TORCH_CHECK(false, "the KV pool must be fp32 or bf16");
+  return out;
+}
+
+// ---- fused small ops of a decode step ------------------------------------------------
+// Each replaces 4-12 torch ops whose dispatch (a few microseconds each) costs more than
+// their arithmetic on a handful of rows. Rows are independent, so they run on one thread.
+
+namespace {
+
+inline void norm_row(const float* x, const float* w, float* out, int64_t n, float eps, float offset) {
+  double ss = 0;
+  for (int64_t i = 0; i < n; ++i) ss += static_cast<double>(x[i]) * x[i];
+  const float r = 1.f / std::sqrt(static_cast<float>(ss / n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = (x[i] * r) * (offset + w[i]);
+}
+
+void check_rows(const at::Tensor& x, const char* what) {
+  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.is_contiguous(), what,
+              " must be a contiguous fp32 [T, n] tensor");
+}
+
+}  // namespace
+
+// RMSNorm of each row of x [T, n] (fp32): (x / rms(x)) * (offset + w).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, double offset) {
+  check_rows(x, "x");
+  at::Tensor out = at::empty_like(x);
+  const int64_t t = x.size(0), n = x.size(1);
+  for (int64_t r = 0; r < t; ++r)
+    norm_row(x.data_ptr<float>() + r * n, w.data_ptr<float>(), out.data_ptr<float>() + r * n, n,
+             static_cast<float>(eps), static_cast<float>(offset));
+  return out;
+}
+
+// x += delta (in place), then return RMSNorm(x): a residual add and the next norm in one.
+at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& delta, const at::Tensor& w, double eps,
+                        double offset) {
+  check_rows(x, "x");
+  check_rows(delta, "delta");
+  at::Tensor out = at::empty_like(x);
+  const int64_t t = x.size(0), n = x.size(1);
+  float *xp = x.data_ptr<float>(), *op = out.data_ptr<float>();
+  const float* dp = delta.data_ptr<float>();
+  for (int64_t i = 0; i < t * n; ++i) xp[i] += dp[i];
+  for (int64_t r = 0; r < t; ++r)
+    norm_row(xp + r * n, w.data_ptr<float>(), op + r * n, n, static_cast<float>(eps),
+             static_cast<float>(offset));
+  return out;
+}
+
+// silu(gate) * up for gate_up [T, 2I] (gate columns first) -> [T, I].
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "gate_up");
+  const int64_t t = gate_up.size(0), inter = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({t, inter}, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t r = 0; r < t; ++r)
+    for (int64_t i = 0; i < inter; ++i) {
+      const float g = gp[r * 2 * inter + i];
+      op[r * inter + i] = g / (1.f + std::exp(-g)) * gp[r * 2 * inter + inter + i];
+    }
+  return out;
+}
+
+namespace {
+
+template <typename T>
+void rope_write_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                     at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& slots, int64_t hq,
+                     int64_t hkv, int64_t d, at::Tensor& q_out) {
+  const int64_t t = qkv.size(0), width = qkv.size(1), rd = cos.size(1), half = rd / 2;
+  const float *xp = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  T *kp = k_pool.data_ptr<T>(), *vp = v_pool.data_ptr<T>();
+  float* qo = q_out.data_ptr<float>();
+  auto rotate = [&](const float* src, const float* c, const float* s, auto store) {
+    for (int64_t i = 0; i < half; ++i) {  // NeoX: first half against second half
+      store(i, src[i] * c[i] - src[i + half] * s[i]);
+      store(i + half, src[i + half] * c[i + half] + src[i] * s[i + half]);
+    }
+    for (int64_t i = rd; i < d; ++i) store(i, src[i]);
+  };
+  for (int64_t r = 0; r < t; ++r) {
+    const float *row = xp + r * width, *c = cp + r * rd, *s = sp + r * rd;
+    for (int64_t h = 0; h < hq; ++h) {
+      float* dst = qo + (r * hq + h) * d;
+      rotate(row + h * d, c, s, [&](int64_t i, float v) { dst[i] = v; });
+    }
+    for (int64_t h = 0; h < hkv; ++h) {
+      T* kd = kp + (slot[r] * hkv + h) * d;
+      T* vd = vp + (slot[r] * hkv + h) * d;
+      rotate(row + (hq + h) * d, c, s, [&](int64_t i, float v) { kd[i] = static_cast<T>(v); });
+      const float* vs = row + (hq + hkv + h) * d;
+      for (int64_t i = 0; i < d; ++i) vd[i] = static_cast<T>(vs[i]);
+    }
+  }
+}
+
+}  // namespace
+
+// From a fused projection qkv [T, (Hq + 2 Hkv) * D]: rotate q and k by cos/sin [T, rd],
+// write rotated k and v to the pool at flat slots [T], return rotated q [T, Hq, D].
+at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                         at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& slots,
+                         int64_t hq, int64_t hkv, int64_t d) {
+  check_rows(qkv, "qkv");
+  TORCH_CHECK(qkv.size(1) == (hq + 2 * hkv) * d, "qkv width does not match the head counts");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dtype() == at::kFloat, "cos/sin must be fp32");
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "pools must be contiguous");
+  TORCH_CHECK(slots.dtype() == at::kLong && slots.numel() == qkv.size(0), "one int64 slot per row");
+  at::Tensor q = at::empty({qkv.size(0), hq, d}, qkv.options());
+  if (k_pool.dtype() == at::kFloat)
+    rope_write_impl<float>(qkv, cos, sin, k_pool, v_pool, slots, hq, hkv, d, q);
+  else if (k_pool.dtype() == at::kBFloat16)
+    rope_write_impl<at::BFloat16>(qkv, cos, sin, k_pool, v_pool, slots, hq, hkv, d, q);
+  else
+    TORCH_CHECK(false, "the KV pool must be fp32 or bf16");
+  return q;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("q4_linear", &q4_linear, "x @ dequant(q4)^T with fp32 activations");
+  m.def("q8_linear", &q8_linear, "x @ dequant(q8)^T with fp32 activations");
+  m.def("q4_dequantize", &q4_dequantize, "q4 weight -> dense fp32 or bf16 [N, K]");
+  m.def("rms_norm", &rms_norm, "RMSNorm of fp32 rows");
+  m.def("add_rms_norm", &add_rms_norm, "x += delta; RMSNorm(x)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("rope_write_kv", &rope_write_kv, "rotate q/k, write k/v to the pool, return q");
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over KV pages in place");
+}

@@ -1,0 +1,106 @@
+"""ext/kernels.cpp against plain torch references: quantized linear, decode attention, fused ops.
+
+Every test here needs the built extension (`make install` builds it); without it they skip,
+and the rest of the suite runs the plain-torch fallbacks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ctxwarden.ext import kernels
+from ctxwarden.layers.linear import linear, pack_linear
+from ctxwarden.layers.norm import rms_norm
+from ctxwarden.layers.quant import Q4, Q8, dequantize, from_gguf_blocks, quantize
+from ctxwarden.layers.rotary import apply_rotary
+from ctxwarden.runner.attention import AttentionParams, _eager
+
+ext = kernels()
+pytestmark = pytest.mark.skipif(ext is None, reason="ext/ kernels not built (make install builds them)")
+
+
+@pytest.mark.parametrize("kind", [Q4, Q8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 47, 48, 200])
+def test_quantized_linear_equals_the_dequantized_weight(kind, rows):
+    torch.manual_seed(rows)
+    w, x = torch.randn(77, 96) * 0.1, torch.randn(rows, 96)
+    q = quantize(w, kind)
+    got = linear(x, pack_linear(q))  # kernel below DENSE_MIN_ROWS, dense GEMM above
+    ref = F.linear(x, dequantize(q))
+    tol = 1e-4  # the kernel below DENSE_MIN_ROWS and the fp32 dense GEMM above it alike
+    assert got.shape == (rows, 77)
+    assert (got - ref).abs().max().item() < tol * ref.abs().max().item()
+
+
+def test_quantize_stays_within_half_a_step():
+    torch.manual_seed(0)
+    w = torch.randn(16, 64)
+    groups = w.reshape(16, 2, 32)
+    steps = {Q4: (groups.amax(-1) - groups.amin(-1)) / 15,  # min..max in 16 levels
+             Q8: groups.abs().amax(-1) / 127}  # symmetric: -127..127 times absmax / 127
+    for kind, step in steps.items():
+        err = (dequantize(quantize(w, kind)) - w).reshape(16, 2, 32).abs().amax(-1)
+        assert (err <= step * 0.51 + 1e-3).all(), kind
+
+
+def test_gguf_q4_1_and_q8_0_codes_dequantize_like_gguf():
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((8, 64)).astype(np.float32)
+    for name in ("Q4_1", "Q4_0", "Q8_0"):
+        raw = gguf_quantize(w, T[name])
+        ours = dequantize(from_gguf_blocks(raw.reshape(-1).view(np.uint8), name, (8, 64)))
+        theirs = torch.from_numpy(gguf_dequantize(raw, T[name]).reshape(8, 64))
+        assert torch.allclose(ours, theirs, rtol=0, atol=1e-6), name
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("softcap,sinks", [(None, 0), (5.0, 0), (None, 3)])
+def test_paged_decode_attention_matches_eager(pool_dtype, softcap, sinks):
+    torch.manual_seed(3)
+    blocks, bs, hkv, d, hq = 12, 4, 2, 16, 6
+    k_pool = torch.randn(blocks, bs, hkv, d).to(pool_dtype)
+    v_pool = torch.randn(blocks, bs, hkv, d).to(pool_dtype)
+    num_keys = torch.tensor([5, 17, 9])
+    slots = torch.zeros(3, 17, dtype=torch.long)
+    for b, n in enumerate(num_keys.tolist()):
+        slots[b, :n] = torch.randperm(blocks * bs)[:n]
+    q, q_sink = torch.randn(3, hq, d), torch.randn(3, hq, d)
+    num_sink = torch.clamp(num_keys, max=sinks)
+    params = AttentionParams(0.25, softcap)
+    got = ext.paged_decode_attention(q, q_sink if sinks else None, k_pool, v_pool, slots,
+                                     num_keys, num_sink, 0.25, softcap or 0.0)
+    flat_k, flat_v = k_pool.view(-1, hkv, d).float(), v_pool.view(-1, hkv, d).float()
+    mask = torch.arange(17)[None, :] < num_keys[:, None]
+    sink_keys = (torch.arange(17)[None, :] < num_sink[:, None])[:, None, None, None, :]
+    ref = _eager(q[:, None], q_sink[:, None] if sinks else None, flat_k[slots], flat_v[slots],
+                 mask[:, None], sink_keys, params)[:, 0]
+    assert torch.allclose(got, ref, atol=1e-5)
+
+
+def test_fused_norm_rope_write_and_silu_match_torch():
+    torch.manual_seed(4)
+    t, hq, hkv, d = 3, 4, 2, 8
+    x, delta, w = torch.randn(t, 32), torch.randn(t, 32), torch.randn(32)
+    assert torch.allclose(ext.rms_norm(x, w, 1e-5, 0.0), rms_norm(x, w, 1e-5), atol=1e-5)
+    assert torch.allclose(ext.rms_norm(x, w, 1e-5, 1.0), rms_norm(x, w, 1e-5, 1.0), atol=1e-5)
+    x2 = x.clone()
+    assert torch.allclose(ext.add_rms_norm(x2, delta, w, 1e-5, 0.0), rms_norm(x + delta, w, 1e-5), atol=1e-5)
+    assert torch.equal(x2, x + delta)
+    gu = torch.randn(t, 20)
+    assert torch.allclose(ext.silu_mul(gu), F.silu(gu[:, :10]) * gu[:, 10:], atol=1e-6)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d)
+    angles = torch.randn(t, d // 2)
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    k_pool, v_pool = torch.zeros(5, 2, hkv, d), torch.zeros(5, 2, hkv, d)
+    slots = torch.tensor([7, 0, 4])
+    q = ext.rope_write_kv(qkv, cos, sin, k_pool, v_pool, slots, hq, hkv, d)
+    qr, kr, vr = qkv.split([hq * d, hkv * d, hkv * d], -1)
+    assert torch.allclose(q, apply_rotary(qr.reshape(t, hq, d), cos, sin), atol=1e-6)
+    assert torch.allclose(k_pool.view(-1, hkv, d)[slots], apply_rotary(kr.reshape(t, hkv, d), cos, sin), atol=1e-6)
+    assert torch.equal(v_pool.view(-1, hkv, d)[slots], vr.reshape(t, hkv, d))

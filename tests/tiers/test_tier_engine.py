@@ -106,7 +106,7 @@ def test_a_changed_model_dtype_or_block_size_never_hits(tiny_dir, tmp_path, redi
     _store(tiny_dir, tiers, 0)
     perturbed = _perturbed_copy(tiny_dir, tmp_path / tiny_dir.name)
     variants = {"perturbed weights": (perturbed, {}), "bf16": (tiny_dir, {"dtype": "bf16"}),
-                "block size 32": (tiny_dir, {"block_size": 32})}
+                "block size 32": (tiny_dir, {"block_size": 32}), "int8 weights": (tiny_dir, {"weights": "int8"})}
     for name, (model_dir, options) in variants.items():
         llm = _llm(model_dir, tiers, **options)
         out, _ = _run(llm, _prompt(0))

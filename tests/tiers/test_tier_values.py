@@ -70,7 +70,8 @@ def _namespace(**changes) -> TierNamespace:
 
 @pytest.mark.parametrize("change", [dict(weights_fingerprint="w2"), dict(tokenizer_fingerprint="t2"),
                                     dict(dtype="bf16"), dict(kv_dtype="bf16"), dict(layout="L2"),
-                                    dict(block_size=32), dict(rope='{"theta": 500000}'), dict(format_version=2)])
+                                    dict(block_size=32), dict(rope='{"theta": 500000}'), dict(format_version=2),
+                                    dict(weights_mode="auto")])
 def test_every_namespace_field_changes_the_digest(change):
     assert _namespace(**change).digest != _namespace().digest
     assert _namespace().digest == _namespace().digest  # and it is stable

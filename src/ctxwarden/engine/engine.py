@@ -111,7 +111,7 @@ class Engine:
         c = self.config
         if not c.kv_tiers.is_enabled:
             return None, ()
-        ns = tier_namespace(self.checkpoint, c.dtype, c.kv_dtype, self.runner.layout, c.block_size)
+        ns = tier_namespace(self.checkpoint, c.dtype, c.kv_dtype, self.runner.layout, c.block_size, c.weights)
         tiers = open_tiers(c.kv_tiers, ns, self.runner.kv_cache, c.kv_dtype)
         calibrate_prefill(self.runner, tiers, min(256, self.num_blocks * c.block_size,
                                                   c.max_batched_tokens, self.max_model_len))

@@ -58,13 +58,14 @@ class TierNamespace:
     layout: str  # the KV layout's groups, layers, windows, page bytes (repr)
     block_size: int
     rope: str  # every RoPE field, params included (JSON)
+    weights_mode: str = "fp32"  # how the weights are multiplied (auto keeps GGUF codes): changes the KV
     format_version: int = FORMAT_VERSION
 
     @property
     def digest(self) -> bytes:
         """A 32-byte BLAKE2b digest of every field (the chain's extra key)."""
         fields = (self.format_version, self.weights_fingerprint, self.tokenizer_fingerprint,
-                  self.dtype, self.kv_dtype, self.layout, self.block_size, self.rope)
+                  self.dtype, self.kv_dtype, self.layout, self.block_size, self.rope, self.weights_mode)
         payload = json.dumps(fields, separators=(",", ":")).encode()
         return hashlib.blake2b(payload, digest_size=32, person=b"ctxwarden-ns").digest()
 

@@ -54,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:  # our named errors subclass these
         print(f"ctxwarden {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `ctxwarden ... | head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
 
 
 if __name__ == "__main__":

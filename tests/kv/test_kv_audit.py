@@ -1,7 +1,7 @@
 """The audit: clean when the books balance, a named finding for each kind of breach."""
 
 import pytest
-from conftest import uniform_layout
+from kv_layouts import uniform_layout
 
 from ctxwarden.kv import KVCacheManager, RiskThresholds
 from ctxwarden.kv import audit as A

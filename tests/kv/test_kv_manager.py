@@ -1,7 +1,7 @@
 """KVCacheManager on hand-written scenarios: exact block ids, hits, eviction order, errors."""
 
 import pytest
-from conftest import slots, uniform_layout
+from kv_layouts import slots, uniform_layout
 
 import ctxwarden.kv.manager as manager_module
 from ctxwarden.errors import (DoubleFree, KVPoolExhausted, SequenceExists, UnknownSequence,

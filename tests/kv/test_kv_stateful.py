@@ -11,7 +11,7 @@ contents it keeps itself:
   chunk it was given: the planner's admission numbers hold at run time.
 """
 
-from conftest import hybrid_layout, sink_layout, uniform_layout
+from kv_layouts import hybrid_layout, sink_layout, uniform_layout
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule

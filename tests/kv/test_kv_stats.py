@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import hybrid_layout, uniform_layout
+from kv_layouts import hybrid_layout, uniform_layout
 
 from ctxwarden.kv import KVCacheManager
 from ctxwarden.kv.stats import largest_run

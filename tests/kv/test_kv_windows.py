@@ -1,7 +1,7 @@
 """Sliding windows and sink mode: exact release, pinning, and the planner's bound."""
 
 import pytest
-from conftest import hybrid_layout, sink_layout, slots
+from kv_layouts import hybrid_layout, sink_layout, slots
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -282,12 +282,23 @@ def memory_trend(state: Replay) -> dict:
     if len(pts) < 10 or pts[-1][0] == pts[0][0]:
         return {"note": "too few samples for a trend"}
     fit = robust_slope([float(c) for c, _ in pts], [m for _, m in pts])
-    return {"rss_anon_mb_start": pts[0][1], "rss_anon_mb_end": pts[-1][1],
-            "rss_anon_mb_max": max(m for _, m in pts),
-            "slope_mb_per_1000_requests": fit.slope * 1000,
-            "slope_interval_mb_per_1000_requests": [fit.slope_low * 1000, fit.slope_high * 1000],
-            "r2": fit.r_squared, "num_samples": fit.num_samples,
-            "completed_from": pts[0][0], "completed_to": pts[-1][0]}
+    out = {"rss_anon_mb_start": pts[0][1], "rss_anon_mb_end": pts[-1][1],
+           "rss_anon_mb_max": max(m for _, m in pts),
+           "slope_mb_per_1000_requests": fit.slope * 1000,
+           "slope_interval_mb_per_1000_requests": [fit.slope_low * 1000, fit.slope_high * 1000],
+           "r2": fit.r_squared, "num_samples": fit.num_samples,
+           "completed_from": pts[0][0], "completed_to": pts[-1][0]}
+    # a heap that grows to a high-water mark (new prompt shapes) and then stays is not a leak:
+    # the second half's slope tells the two apart
+    late = pts[len(pts) // 2:]
+    if len(late) >= 10 and late[-1][0] > late[0][0]:
+        late_fit = robust_slope([float(c) for c, _ in late], [m for _, m in late])
+        out["second_half"] = {"slope_mb_per_1000_requests": late_fit.slope * 1000,
+                              "slope_interval_mb_per_1000_requests": [late_fit.slope_low * 1000,
+                                                                      late_fit.slope_high * 1000],
+                              "completed_from": late[0][0], "completed_to": late[-1][0]}
+    out["samples"] = [[c, round(m, 2)] for c, m in pts[::max(1, len(pts) // 400)]]
+    return out
 
 
 def ttft_drift(ok: list[Outcome]) -> dict:

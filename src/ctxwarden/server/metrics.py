@@ -40,6 +40,9 @@ _COUNTERS = (
      lambda s: s.kv.num_cross_namespace_hits),
     ("ctxwarden_preemptions", "Preemptions (swap + recompute).",
      lambda s: s.num_preemptions_swap + s.num_preemptions_recompute),
+    ("ctxwarden_prompt_tokens_computed", "Prompt tokens run through the model (prefix-cache hits excluded, "
+     "recomputation after preemption included).", lambda s: s.num_prompt_tokens_computed),
+    ("ctxwarden_generation_tokens", "Tokens generated.", lambda s: s.num_generated_tokens),
 )
 
 

@@ -40,6 +40,10 @@ _COUNTERS = (
      lambda s: s.kv.num_cross_namespace_hits),
     ("ctxwarden_preemptions", "Preemptions (swap + recompute).",
      lambda s: s.num_preemptions_swap + s.num_preemptions_recompute),
+    ("ctxwarden_heap_trims", "malloc_trim calls that handed freed step temporaries back to the "
+     "kernel (when the engine goes idle, and every 30 s under load).", lambda s: s.num_heap_trims),
+    ("ctxwarden_heap_released_bytes", "RssAnon + swap bytes those trims released.",
+     lambda s: s.heap_released_bytes),
 )
 
 

@@ -19,10 +19,16 @@ hits; freed blocks are reused only once the free list is empty) touch every page
 later growth cannot be the pool filling up.
 
 Tolerance: the least-squares slope over the post-warm-up readings must stay under
-1.0 MB per request. Both old growths are above it (3 and 1.3 MB per request, linear); the
-trimmed readings scatter by up to ~20 MB from one round to the next (pages that hold a
-live chunk cannot be handed back: 551, 551, 551, 551, 570, 546 MB measured in-process),
-which moves a slope over 48 requests by at most ~0.4 MB per request.
+1.0 MB per request, below issue 17's linear rates (3 and 1.3 MB per request); the trimmed
+readings scatter by up to ~20 MB between rounds (in-process: 551, 551, 551, 551, 570, 546
+MB), which moves a slope over 48 requests by at most ~0.4 MB per request.
+
+Honest limits (measured 2026-12-02, loaded 2-vCPU Zen 4): at this reduced load (40-640
+tokens, 48 requests) the readings were flat in every variant tried: with the trim
+[604 x 5]; trim disabled [697 x 5] (so the trim lowers RSS at rest by ~100 MB but this
+load does not reproduce the late creep); primitive cache uncapped [607, 626, 626, 626,
+596]; uncapped and unbucketed [587 x 5]. The test guards against linear growth returning;
+it has not been seen failing at this size.
 """
 
 from __future__ import annotations

@@ -43,6 +43,10 @@ _COUNTERS = (
     ("ctxwarden_prompt_tokens_computed", "Prompt tokens run through the model (prefix-cache hits excluded, "
      "recomputation after preemption included).", lambda s: s.num_prompt_tokens_computed),
     ("ctxwarden_generation_tokens", "Tokens generated.", lambda s: s.num_generated_tokens),
+    ("ctxwarden_heap_trims", "malloc_trim calls that handed freed step temporaries back to the "
+     "kernel (when the engine goes idle, and every 30 s under load).", lambda s: s.num_heap_trims),
+    ("ctxwarden_heap_released_bytes", "RssAnon + swap bytes those trims released.",
+     lambda s: s.heap_released_bytes),
 )
 
 

@@ -1,0 +1,289 @@
+"""DeepSeek-V2 / V3: multi-head latent attention (MLA) over the paged cache, and MoE.
+
+One layer, read top to bottom (H heads, r = kv_lora_rank, dn / dr / dv = nope / rope / v dims):
+
+    h = rms_norm(x)
+    q = q_b(rms_norm(q_a(h)))  or  q_proj(h)          # [T, H, dn + dr]
+    latent, k_pe = kv_a(h)                             # [T, r], [T, dr]: one "head" per token
+    latent = rms_norm(latent);  q_pe, k_pe = rope(q_pe), rope(k_pe)
+    cache <- [latent | k_pe]                           # cache_dim = r + dr values per token
+    q_lat = q_nope @ W_uk[h]                           # absorbed: [T, H, r], no keys expanded
+    o_lat = softmax(scale * [q_lat | q_pe] . [latent | k_pe]) @ [latent | k_pe]   (MQA, 1 KV head)
+    x = x + o(o_lat[..., :r] @ W_uv[h].T)              # [T, H, dv] -> hidden
+    x = x + (dense MLP for the first `first_k_dense_replace` layers, else MoE)(rms_norm(x))
+
+Why absorbed: q_nope . (W_uk latent) = (W_uk^T q_nope) . latent, and sum p (W_uv latent) =
+W_uv (sum p latent), so attention runs on the cached rows as they are, through the same
+paged backend (one KV head of cache_dim) as every other model: the cache never holds
+per-head keys, and a decode step costs H x (dn + dv) x r per token for the two
+absorptions instead of expanding every cached token. The value is the cached row itself
+(its rope part is ignored afterwards), so the pool stores each row once.
+
+Rotary: DeepSeek's weights rotate interleaved pairs (x0, x1), (x2, x3), ...; the rope rows
+of the q and kv_a projections are reordered at load time (evens, then odds) so the
+NeoX-style half split of layers/rotary.py applies: dot products are unchanged. The softmax
+scale is qk_head_dim^-0.5, times mscale^2 under YaRN with mscale_all_dim, as trained.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ctxwarden.errors import ConfigError
+from ctxwarden.layers.linear import LinearWeight, linear, pack_linear
+from ctxwarden.layers.mlp import gated_mlp
+from ctxwarden.layers.moe import MoEWeights, Routing, moe_forward
+from ctxwarden.layers.quant import stack_rows
+from ctxwarden.layers.rotary import apply_rotary
+from ctxwarden.models.llama import LlamaForCausalLM, _held_tensors
+from ctxwarden.runner.attention import AttentionParams
+from ctxwarden.spec.model_spec import ModelSpec
+
+
+@dataclass
+class MLALayerWeights:
+    """One DeepSeek layer's tensors (rope rows already in half-split order)."""
+
+    input_norm: torch.Tensor
+    q: LinearWeight | None  # q_proj [H (dn + dr), hidden] without query LoRA
+    q_a: LinearWeight | None  # [q_lora_rank, hidden]
+    q_a_norm: torch.Tensor | None
+    q_b: LinearWeight | None  # [H (dn + dr), q_lora_rank]
+    kv_a: LinearWeight  # [r + dr, hidden]
+    kv_a_norm: torch.Tensor  # [r]
+    w_uk: torch.Tensor  # [H, dn, r]: latent -> nope keys, absorbed into the queries
+    w_uv_t: torch.Tensor  # [H, r, dv]: latent -> values, applied after attention
+    o: LinearWeight  # [hidden, H dv]
+    post_attn_norm: torch.Tensor
+    mlp: tuple[LinearWeight, LinearWeight] | None  # dense layers: (gate_up, down)
+    moe: MoEWeights | None
+
+
+def routing_of(spec: ModelSpec) -> Routing:
+    """The router's rule for this checkpoint (V2 softmax, V3 sigmoid with a bias)."""
+    m = spec.moe
+    v3 = spec.model_type == "deepseek_v3"
+    return Routing(num_experts_per_tok=int(m["num_experts_per_tok"]),
+                   scoring="sigmoid" if v3 else "softmax",
+                   topk_method="noaux_tc" if v3 else m.get("topk_method", "greedy"),
+                   num_groups=m.get("n_group"), topk_groups=m.get("topk_group"),
+                   norm_topk_prob=bool(m.get("norm_topk_prob", False)),
+                   routed_scaling_factor=float(m.get("routed_scaling_factor", 1.0)))
+
+
+def softmax_scale(spec: ModelSpec) -> float:
+    """qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 for a scaled RoPE (YaRN)."""
+    m = spec.mla
+    scale = (m.qk_nope_head_dim + m.qk_rope_head_dim) ** -0.5
+    p = spec.rope.params
+    if spec.rope.rope_type != "default" and p.get("mscale_all_dim"):
+        factor = float(p["factor"])
+        mscale = 1.0 if factor <= 1 else 0.1 * p["mscale_all_dim"] * math.log(factor) + 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+def _is_moe_layer(spec: ModelSpec, layer_id: int) -> bool:
+    return bool(spec.moe.get("n_routed_experts")) and layer_id >= spec.moe.get("first_k_dense_replace", 0)
+
+
+class DeepseekForCausalLM(LlamaForCausalLM):
+    """DeepSeek-V2 / V3 decoder (MLA + MoE) over the paged KV cache; no MTP layers."""
+
+    def __init__(self, spec: ModelSpec, embed, layers, final_norm, lm_head, dtype=None):
+        super().__init__(spec, embed, layers, final_norm, lm_head, dtype)
+        self.scale = softmax_scale(spec)
+        self.routing = routing_of(spec) if any(w.moe is not None for w in layers) else None
+
+    # ---- loading -----------------------------------------------------------------------
+
+    @classmethod
+    def expected_tensors(cls, spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+        """Every Hugging Face tensor name DeepSeek's checkpoints hold (per-expert names)."""
+        _check_supported(spec)
+        h, m, heads = spec.hidden_size, spec.mla, spec.num_attention_heads
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        out = {"model.embed_tokens.weight": (spec.vocab_size, h), "model.norm.weight": (h,)}
+        if not spec.tie_word_embeddings:
+            out["lm_head.weight"] = (spec.vocab_size, h)
+        for i in range(spec.num_layers):
+            p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+            out.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                        a + "kv_a_proj_with_mqa.weight": (m.kv_lora_rank + m.qk_rope_head_dim, h),
+                        a + "kv_a_layernorm.weight": (m.kv_lora_rank,),
+                        a + "kv_b_proj.weight": (heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+                        a + "o_proj.weight": (h, heads * m.v_head_dim)})
+            if m.q_lora_rank:
+                out.update({a + "q_a_proj.weight": (m.q_lora_rank, h),
+                            a + "q_a_layernorm.weight": (m.q_lora_rank,),
+                            a + "q_b_proj.weight": (heads * qk, m.q_lora_rank)})
+            else:
+                out[a + "q_proj.weight"] = (heads * qk, h)
+            out.update(_mlp_names(spec, i))
+        return out
+
+    @classmethod
+    def from_weights(cls, spec: ModelSpec, source, dtype: torch.dtype, weights: str = "fp32"):
+        """Build the model from a checked WeightSource (see LlamaForCausalLM.from_weights)."""
+        head_mode = "int8" if weights == "int4" else weights
+        embed = source.get("model.embed_tokens.weight", dtype)
+        lm_head = (embed if spec.tie_word_embeddings
+                   else source.get_linear("lm_head.weight", head_mode, dtype))
+        layers = [_load_layer(spec, source, i, dtype, weights) for i in range(spec.num_layers)]
+        return cls(spec, embed, layers, source.get("model.norm.weight", dtype), lm_head, dtype)
+
+    @property
+    def weights_bytes(self) -> int:
+        """Bytes of every weight tensor held (experts included)."""
+        held = [self.embed_tokens, self.final_norm, self.lm_head]
+        for w in self.layers:
+            held += [t for k, t in vars(w).items() if t is not None and k not in ("mlp", "moe")]
+            held += list(w.mlp or ())
+            if w.moe is not None:
+                held += [w.moe.gate] + [x for pair in w.moe.experts for x in pair]
+                held += list(w.moe.shared or ()) + ([w.moe.score_bias] if w.moe.score_bias is not None else [])
+        return sum(_held_tensors(held).values())
+
+    # ---- forward -----------------------------------------------------------------------
+
+    def attention_params(self, layer_id, kv_cache) -> AttentionParams:
+        layer = kv_cache.layer(layer_id)
+        return AttentionParams(self.scale, None, layer.window_tokens, layer.sink_tokens)
+
+    def decoder_layer(self, layer_id, w: MLALayerWeights, x, step, rope, kv_cache, backend):
+        h = self.norm(x, w.input_norm)
+        x = x + self.attention(layer_id, w, h, step, rope, kv_cache, backend)
+        h = self.norm(x, w.post_attn_norm)
+        if w.moe is not None:
+            return x + moe_forward(h, w.moe, self.routing, self.act)
+        return x + gated_mlp(h, *w.mlp, self.act)
+
+    def attention(self, layer_id, w: MLALayerWeights, h, step, rope, kv_cache, backend):
+        """MLA of one layer, absorbed: queries meet the cached latent rows directly."""
+        m, t = self.spec.mla, h.shape[0]
+        q = linear(h, w.q) if w.q is not None else linear(self.norm(linear(h, w.q_a), w.q_a_norm), w.q_b)
+        q_nope, q_pe = q.view(t, -1, m.qk_nope_head_dim + m.qk_rope_head_dim).split(
+            [m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        latent, k_pe = linear(h, w.kv_a).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        layer = kv_cache.layer(layer_id)
+        group = step.groups[layer.group_index]
+        cos, sin = rope.tables[("tok", False)]
+        row = torch.cat((self.norm(latent, w.kv_a_norm), apply_rotary(k_pe[:, None], cos, sin)[:, 0]), -1)
+        kv_cache.write(layer, row[:, None], None, group.slot_mapping)  # [T, 1, cache_dim]
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w.w_uk).transpose(0, 1)  # [T, H, r]
+        query = torch.cat((q_lat, apply_rotary(q_pe, cos, sin)), -1)  # [T, H, cache_dim]
+        sink = rope.tables.get(("sink", False, layer.group_index))
+        q_sink = (torch.cat((q_lat, apply_rotary(q_pe, *sink)), -1)
+                  if sink is not None and layer.sink_tokens else None)
+        out = backend.forward(query.contiguous(), q_sink, layer, group,
+                              self.attention_params(layer_id, kv_cache))
+        o_lat = out[..., :m.kv_lora_rank].transpose(0, 1)  # [H, T, r]
+        heads_out = torch.bmm(o_lat, w.w_uv_t).transpose(0, 1).reshape(t, -1)  # [T, H dv]
+        return linear(heads_out, w.o)
+
+
+def _check_supported(spec: ModelSpec) -> None:
+    if spec.attention_bias:
+        raise ConfigError(spec.source, "attention_bias", "true is not supported for DeepSeek "
+                          "(MLA) models here; published DeepSeek-V2/V3 checkpoints have false")
+    if spec.rope.partial_rotary_factor != 1.0:
+        raise ConfigError(spec.source, "partial_rotary_factor",
+                          "MLA rotates all qk_rope_head_dim dims; remove the field")
+
+
+def _mlp_names(spec: ModelSpec, i: int) -> dict[str, tuple[int, ...]]:
+    h, p = spec.hidden_size, f"model.layers.{i}.mlp."
+    if not _is_moe_layer(spec, i):
+        inter = spec.intermediate_size
+        return {p + "gate_proj.weight": (inter, h), p + "up_proj.weight": (inter, h),
+                p + "down_proj.weight": (h, inter)}
+    moe, inter = spec.moe, spec.moe["moe_intermediate_size"]
+    num_experts = moe["n_routed_experts"]
+    out = {p + "gate.weight": (num_experts, h)}
+    if spec.model_type == "deepseek_v3":
+        out[p + "gate.e_score_correction_bias"] = (num_experts,)
+    for e in range(num_experts):
+        q = f"{p}experts.{e}."
+        out.update({q + "gate_proj.weight": (inter, h), q + "up_proj.weight": (inter, h),
+                    q + "down_proj.weight": (h, inter)})
+    shared = moe.get("n_shared_experts") or 0
+    if shared:
+        s = f"{p}shared_experts."
+        out.update({s + "gate_proj.weight": (inter * shared, h), s + "up_proj.weight": (inter * shared, h),
+                    s + "down_proj.weight": (h, inter * shared)})
+    return out
+
+
+def deinterleave_rows(w: torch.Tensor, start: int, size: int, every: int) -> torch.Tensor:
+    """Reorder rows [start, start + size) of each `every`-row block: evens first, then odds.
+
+    DeepSeek rotates pairs (0, 1), (2, 3) ...; after this, pair i is (i, i + size / 2),
+    the half-split layout apply_rotary rotates, with the same frequency per pair.
+    """
+    blocks = w.reshape(-1, every, *w.shape[1:])
+    rope = blocks[:, start:start + size]
+    order = torch.cat((torch.arange(0, size, 2), torch.arange(1, size, 2)))
+    blocks = torch.cat((blocks[:, :start], rope[:, order], blocks[:, start + size:]), dim=1)
+    return blocks.reshape(w.shape)
+
+
+def _load_layer(spec: ModelSpec, source, i: int, dtype: torch.dtype, weights: str) -> MLALayerWeights:
+    m, heads, p = spec.mla, spec.num_attention_heads, f"model.layers.{i}."
+    a = p + "self_attn."
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+
+    def get(name):
+        return source.get(name, dtype)
+
+    def proj(name, rope_rows=None):  # rope_rows: (start, every) of the interleaved rope rows
+        if rope_rows is not None and m.rope_interleave:  # reordered dense, then stored as asked
+            w = deinterleave_rows(source.get(name, torch.float32), rope_rows[0], m.qk_rope_head_dim,
+                                  rope_rows[1])
+            return pack_linear(_stored_as(w, weights, dtype), dense_dtype=dtype)
+        return pack_linear(source.get_linear(name, weights, dtype), dense_dtype=dtype)
+
+    kv_b = get(a + "kv_b_proj.weight").view(heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+    lora = bool(m.q_lora_rank)
+    return MLALayerWeights(
+        input_norm=get(p + "input_layernorm.weight"),
+        q=None if lora else proj(a + "q_proj.weight", (m.qk_nope_head_dim, qk)),
+        q_a=proj(a + "q_a_proj.weight") if lora else None,
+        q_a_norm=get(a + "q_a_layernorm.weight") if lora else None,
+        q_b=proj(a + "q_b_proj.weight", (m.qk_nope_head_dim, qk)) if lora else None,
+        kv_a=proj(a + "kv_a_proj_with_mqa.weight", (m.kv_lora_rank, m.kv_lora_rank + m.qk_rope_head_dim)),
+        kv_a_norm=get(a + "kv_a_layernorm.weight"),
+        w_uk=kv_b[:, :m.qk_nope_head_dim].contiguous(),
+        w_uv_t=kv_b[:, m.qk_nope_head_dim:].transpose(1, 2).contiguous(),
+        o=proj(a + "o_proj.weight"),
+        post_attn_norm=get(p + "post_attention_layernorm.weight"),
+        mlp=None if _is_moe_layer(spec, i) else _gated(source, p + "mlp.", weights, dtype),
+        moe=_load_moe(spec, source, p + "mlp.", weights, dtype) if _is_moe_layer(spec, i) else None)
+
+
+def _stored_as(w: torch.Tensor, weights: str, dtype: torch.dtype):
+    """A dense fp32 weight in the storage `weights` asks for (see WeightSource.get_linear)."""
+    from ctxwarden.layers.quant import GROUP, Q4, Q8, quantize
+
+    if weights in ("int4", "int8") and w.shape[-1] % GROUP == 0:
+        return quantize(w, {"int4": Q4, "int8": Q8}[weights])
+    return w.to(torch.bfloat16 if weights == "bf16" else (torch.float32 if weights == "fp32" else dtype))
+
+
+def _gated(source, p: str, weights: str, dtype: torch.dtype) -> tuple[LinearWeight, LinearWeight]:
+    parts = [source.get_linear(p + n, weights, dtype) for n in ("gate_proj.weight", "up_proj.weight")]
+    down = source.get_linear(p + "down_proj.weight", weights, dtype)
+    return pack_linear(stack_rows(parts), dense_dtype=dtype), pack_linear(down, dense_dtype=dtype)
+
+
+def _load_moe(spec: ModelSpec, source, p: str, weights: str, dtype: torch.dtype) -> MoEWeights:
+    num_experts = spec.moe["n_routed_experts"]
+    bias_name = p + "gate.e_score_correction_bias"
+    return MoEWeights(
+        gate=source.get(p + "gate.weight", torch.float32),  # routing stays fp32, as trained
+        score_bias=source.get(bias_name, torch.float32) if bias_name in source.infos else None,
+        experts=[_gated(source, f"{p}experts.{e}.", weights, dtype) for e in range(num_experts)],
+        shared=(_gated(source, p + "shared_experts.", weights, dtype)
+                if spec.moe.get("n_shared_experts") else None))

@@ -122,3 +122,23 @@ def test_engine_greedy_text_equals_transformers_generate(tiny_model, arch):
             ref = model.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False)[0, len(ids):]
         assert list(out.token_ids) == ref.tolist()[:len(out.token_ids)] and len(out.token_ids) > 0
         assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_engine_under_pressure_gives_the_calm_outputs(tiny_model, mode):
+    """Preempted MLA sequences (pages swapped out and back, or recomputed) decode the same."""
+    from ctxwarden import LLM, SamplingParams
+
+    model_dir = _model(tiny_model, "v3")
+    prompts = [prompt_ids(n, 512, seed=n) for n in (30, 41, 52, 25, 47, 38)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    calm = LLM(str(model_dir), kv_memory="4MiB").generate(prompts, params)
+    page_bytes = make_runner(model_dir, 16, 16).layout.page_bytes
+    per_seq_blocks = -(-(52 + 24) // 16)
+    tight = LLM(str(model_dir), kv_memory=2 * per_seq_blocks * page_bytes, preemption_mode=mode,
+                enable_prefix_caching=False)
+    pressed = tight.generate(prompts, params)
+    assert [o.token_ids for o in pressed] == [o.token_ids for o in calm]
+    stats = tight.engine.stats()
+    assert (stats.num_preemptions_swap if mode == "swap" else stats.num_preemptions_recompute) > 0
+    assert stats.kv.num_blocks_in_use == 0

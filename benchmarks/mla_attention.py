@@ -1,0 +1,156 @@
+"""MLA attention, absorbed (what the runner does) against expanded, side by side.
+
+One DeepSeek-V2-Lite-shaped layer (hidden 2048, 16 heads, latent 512, nope 128, rope 64,
+v 128; random weights, one dense MLP layer), run through the real ModelRunner over the
+same paged cache, once with the runner's absorbed attention and once with an expanded
+variant monkeypatched in (per step: gather the cached latents, expand k_nope and v for
+every head with kv_b_proj, SDPA over H heads, as transformers computes it). The two agree
+to fp32 rounding (checked on every measured step). Measured:
+
+- decode: one new token after N cached tokens (N = 512, 2048, 8192);
+- prefill: a whole prompt of N tokens from an empty cache.
+
+Variants alternate within each repeat (best of --repeats), so load drift hits both alike.
+Per-token FLOPs, absorbed: H (r + dr) keys + H r values; expanded: r H (dn + dv) per key
+to expand, then H (dn + dr) + H dv. Decode re-expands every cached key each step.
+
+Run: .venv/bin/python benchmarks/mla_attention.py [--repeats 3] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+V2_LITE = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+           "head_dim": 64, "first_k_dense_replace": 1, "q_lora_rank": None}
+
+
+def expanded_attention(self, layer_id, w, h, step, rope, kv_cache, backend):
+    """The expanded alternative: per-head keys and values from every cached latent."""
+    from ctxwarden.layers.linear import linear
+    from ctxwarden.layers.rotary import apply_rotary
+
+    m, t = self.spec.mla, h.shape[0]
+    q = linear(h, w.q).view(t, -1, m.qk_nope_head_dim + m.qk_rope_head_dim)
+    latent, k_pe = linear(h, w.kv_a).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+    layer = kv_cache.layer(layer_id)
+    group = step.groups[layer.group_index]
+    cos, sin = rope.tables[("tok", False)]
+    row = torch.cat((self.norm(latent, w.kv_a_norm), apply_rotary(k_pe[:, None], cos, sin)[:, 0]), -1)
+    kv_cache.write(layer, row[:, None], None, group.slot_mapping)
+    q = torch.cat((q[..., :m.qk_nope_head_dim], apply_rotary(q[..., m.qk_nope_head_dim:], cos, sin)), -1)
+    flat = layer.key.view(-1, layer.key.shape[-1])
+    out = torch.empty(t, q.shape[1], m.v_head_dim)
+    for s in group.sequences:
+        rows = flat.index_select(0, s.key_slots)  # [keys, r + dr]
+        lat, kpe = rows[:, :m.kv_lora_rank], rows[:, m.kv_lora_rank:]
+        k_nope = torch.einsum("mr,hdr->hmd", lat, w.w_uk)  # [H, keys, dn]
+        v = torch.einsum("mr,hrd->hmd", lat, w.w_uv_t)  # [H, keys, dv]
+        k = torch.cat((k_nope, kpe[None].expand(k_nope.shape[0], -1, -1)), -1)
+        mask = s.key_positions[None, :] <= s.query_positions[:, None]
+        qs = q[s.query_start:s.query_end].transpose(0, 1)  # [H, n, dn + dr]
+        o = F.scaled_dot_product_attention(qs[None], k[None], v[None], attn_mask=mask, scale=self.scale)
+        out[s.query_start:s.query_end] = o[0].transpose(0, 1)
+    return linear(out.reshape(t, -1), w.o)
+
+
+def _checkpoint(tmp: Path) -> Path:
+    from ctxwarden.models.random_checkpoint import MakeModelOptions, make_checkpoint
+
+    return make_checkpoint(MakeModelOptions(
+        arch="deepseek_v2", out_dir=tmp, hidden_size=2048, num_layers=1, num_heads=16,
+        num_kv_heads=16, intermediate_size=256, vocab_size=512, max_position=16384,
+        with_tokenizer=False, config_overrides=V2_LITE))
+
+
+def _timed(fn) -> tuple[float, torch.Tensor]:
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def _measure(runner, model, kind: str, n: int, repeats: int) -> dict:
+    """Best seconds of each variant for one (kind, N), alternating, with their max diff."""
+    from ctxwarden.runner import ForwardBatch, SequenceInput
+
+    bs = runner.layout.block_size
+    table = (tuple(range(-(-(n + 1) // bs))),)
+    prompt = [3 + i % 500 for i in range(n)]
+    if kind == "decode":  # fill the cache once (absorbed); each decode step rewrites slot n
+        runner.forward(ForwardBatch((SequenceInput.chunk(prompt, 0, table),)))
+        batch = ForwardBatch((SequenceInput.chunk([7], n, table),))
+    else:
+        batch = ForwardBatch((SequenceInput.chunk(prompt, 0, table),))
+    best, outs = {"absorbed": float("inf"), "expanded": float("inf")}, {}
+    absorbed = type(model).attention
+    for _ in range(repeats):
+        for name in best:
+            model.attention = (absorbed if name == "absorbed" else expanded_attention).__get__(model)
+            seconds, outs[name] = _timed(lambda: runner.forward(batch))
+            best[name] = min(best[name], seconds)
+    model.attention = absorbed.__get__(model)
+    diff = (outs["absorbed"] - outs["expanded"]).abs().max().item()
+    return {"kind": kind, "tokens": n, "absorbed_s": best["absorbed"], "expanded_s": best["expanded"],
+            "expanded_over_absorbed": best["expanded"] / best["absorbed"], "max_logit_diff": diff}
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, kind in zip(axes, ("decode", "prefill")):
+        sel = [r for r in rows if r["kind"] == kind]
+        xs = [r["tokens"] for r in sel]
+        for name in ("absorbed", "expanded"):
+            ax.plot(xs, [r[f"{name}_s"] * 1e3 for r in sel], marker="o", label=name)
+        ax.set(xscale="log", yscale="log", xlabel="tokens in context" if kind == "decode" else "prompt tokens",
+               ylabel="ms per step (1 layer)", title=f"MLA {kind} (DeepSeek-V2-Lite shapes)")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--decode-tokens", type=int, nargs="+", default=[512, 2048, 8192])
+    ap.add_argument("--prefill-tokens", type=int, nargs="+", default=[128, 512, 2048])
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = ap.parse_args()
+    from rich.progress import track
+
+    from ctxwarden.runner import ModelRunner, RunnerConfig
+
+    with tempfile.TemporaryDirectory() as tmp:
+        most = max(args.decode_tokens + args.prefill_tokens) + 1
+        runner = ModelRunner(_checkpoint(Path(tmp)), RunnerConfig(num_blocks=-(-most // 16), block_size=16))
+        cases = [("decode", n) for n in args.decode_tokens] + [("prefill", n) for n in args.prefill_tokens]
+        rows = [_measure(runner, runner.model, kind, n, args.repeats)
+                for kind, n in track(cases, description="MLA absorbed vs expanded")]
+    result = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+                         f"load {os.getloadavg()[0]:.1f}", "torch": torch.__version__,
+              "threads": torch.get_num_threads(), "repeats": args.repeats, "rows": rows,
+              "date": time.strftime("%Y-%m-%d %H:%M")}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "mla_attention.json").write_text(json.dumps(result, indent=1))
+    _plot(rows, args.out / "mla_attention.png")
+    for r in rows:
+        print(f"{r['kind']:8s} {r['tokens']:6d}: absorbed {r['absorbed_s'] * 1e3:8.1f} ms, expanded "
+              f"{r['expanded_s'] * 1e3:8.1f} ms ({r['expanded_over_absorbed']:.2f}x), diff {r['max_logit_diff']:.1e}")
+
+
+if __name__ == "__main__":
+    main()

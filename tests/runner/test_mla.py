@@ -66,10 +66,12 @@ def test_mla_prefill_and_decode_match_transformers(tiny_model, case):
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("case", ["v2", "v3"])
 def test_mla_block_sizes_and_chunked_prefill(tiny_model, case, block_size):
-    """Page size 1 and 16; the prompt (100 tokens, not a block multiple) in chunks of 33."""
+    """Page size 1 and 16; the prompt (100 tokens, not a block multiple) whole, in chunks of
+    33 (expanded: the tiny shapes expand from 26 new tokens) and of 10 (absorbed)."""
     model_dir = _model(tiny_model, case)
     _check(model_dir, 100, block_size)
-    _check(model_dir, 100, block_size, chunk_tokens=33)
+    _check(model_dir, 100, block_size, chunk_tokens=33)  # expanded chunks (>= 26 tokens)
+    _check(model_dir, 100, block_size, chunk_tokens=10)  # absorbed chunks
 
 
 @pytest.mark.parametrize("case", ["v2", "v3"])

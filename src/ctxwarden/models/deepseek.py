@@ -19,6 +19,13 @@ per-head keys, and a decode step costs H x (dn + dv) x r per token for the two
 absorptions instead of expanding every cached token. The value is the cached row itself
 (its rope part is ignored afterwards), so the pool stores each row once.
 
+Long prefill chunks are the exception: per (query, key) pair absorbed attention costs
+H (2 (r + dr)) multiply-adds, expanded H (dn + dr + dv), plus r H (dn + dv) once per key
+to expand it. Expanding wins once a chunk has more than r (dn + dv) / (2 r + dr - dn - dv)
+new tokens (157 for DeepSeek-V2/V3 shapes; benchmarks/mla_attention.py measures both), so
+a step whose every sequence brings at least that many takes the expanded path; decode
+steps and short chunks stay absorbed. Either way the cache holds the same latent rows.
+
 Rotary: DeepSeek's weights rotate interleaved pairs (x0, x1), (x2, x3), ...; the rope rows
 of the q and kv_a projections are reordered at load time (evens, then odds) so the
 NeoX-style half split of layers/rotary.py applies: dot products are unchanged. The softmax
@@ -39,7 +46,7 @@ from ctxwarden.layers.moe import MoEWeights, Routing, moe_forward
 from ctxwarden.layers.quant import stack_rows
 from ctxwarden.layers.rotary import apply_rotary
 from ctxwarden.models.llama import LlamaForCausalLM, _held_tensors
-from ctxwarden.runner.attention import AttentionParams
+from ctxwarden.runner.attention import AttentionParams, attend_gathered
 from ctxwarden.spec.model_spec import ModelSpec
 
 
@@ -56,6 +63,7 @@ class MLALayerWeights:
     kv_a_norm: torch.Tensor  # [r]
     w_uk: torch.Tensor  # [H, dn, r]: latent -> nope keys, absorbed into the queries
     w_uv_t: torch.Tensor  # [H, r, dv]: latent -> values, applied after attention
+    kv_b: LinearWeight  # [H (dn + dv), r]: the same weights, for expanding long prefills
     o: LinearWeight  # [hidden, H dv]
     post_attn_norm: torch.Tensor
     mlp: tuple[LinearWeight, LinearWeight] | None  # dense layers: (gate_up, down)
@@ -86,6 +94,14 @@ def softmax_scale(spec: ModelSpec) -> float:
     return scale
 
 
+def expand_min_tokens(m) -> int:
+    """New tokens per sequence from which expanding keys beats absorbing queries (see top)."""
+    saved = 2 * m.kv_lora_rank + m.qk_rope_head_dim - m.qk_nope_head_dim - m.v_head_dim
+    if saved <= 0:
+        return 1 << 62  # expanded attention is never cheaper per pair: always absorb
+    return math.ceil(m.kv_lora_rank * (m.qk_nope_head_dim + m.v_head_dim) / saved)
+
+
 def _is_moe_layer(spec: ModelSpec, layer_id: int) -> bool:
     return bool(spec.moe.get("n_routed_experts")) and layer_id >= spec.moe.get("first_k_dense_replace", 0)
 
@@ -96,6 +112,7 @@ class DeepseekForCausalLM(LlamaForCausalLM):
     def __init__(self, spec: ModelSpec, embed, layers, final_norm, lm_head, dtype=None):
         super().__init__(spec, embed, layers, final_norm, lm_head, dtype)
         self.scale = softmax_scale(spec)
+        self.expand_min_tokens = expand_min_tokens(spec.mla)
         self.routing = routing_of(spec) if any(w.moe is not None for w in layers) else None
 
     # ---- loading -----------------------------------------------------------------------
@@ -173,16 +190,54 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         cos, sin = rope.tables[("tok", False)]
         row = torch.cat((self.norm(latent, w.kv_a_norm), apply_rotary(k_pe[:, None], cos, sin)[:, 0]), -1)
         kv_cache.write(layer, row[:, None], None, group.slot_mapping)  # [T, 1, cache_dim]
+        params = self.attention_params(layer_id, kv_cache)
+        if self._is_expanded_step(group, layer):
+            query = torch.cat((q_nope, apply_rotary(q_pe, cos, sin)), -1)  # [T, H, dn + dr]
+            return linear(self._expanded(w, query, layer, group, params).reshape(t, -1), w.o)
         q_lat = torch.bmm(q_nope.transpose(0, 1), w.w_uk).transpose(0, 1)  # [T, H, r]
         query = torch.cat((q_lat, apply_rotary(q_pe, cos, sin)), -1)  # [T, H, cache_dim]
         sink = rope.tables.get(("sink", False, layer.group_index))
         q_sink = (torch.cat((q_lat, apply_rotary(q_pe, *sink)), -1)
                   if sink is not None and layer.sink_tokens else None)
-        out = backend.forward(query.contiguous(), q_sink, layer, group,
-                              self.attention_params(layer_id, kv_cache))
+        out = backend.forward(query.contiguous(), q_sink, layer, group, params)
         o_lat = out[..., :m.kv_lora_rank].transpose(0, 1)  # [H, T, r]
         heads_out = torch.bmm(o_lat, w.w_uv_t).transpose(0, 1).reshape(t, -1)  # [T, H dv]
         return linear(heads_out, w.o)
+
+    def _is_expanded_step(self, group, layer) -> bool:
+        """Every sequence of the step brings enough new tokens to expand (no sinks: their
+        re-positioned queries are the backend's)."""
+        return (group.decode is None and not layer.sink_tokens and
+                min(s.query_end - s.query_start for s in group.sequences) >= self.expand_min_tokens)
+
+    def _expanded(self, w: MLALayerWeights, query, layer, group, params) -> torch.Tensor:
+        """Attention [T, H, dv] with per-head keys and values expanded from the cached rows."""
+        m, heads = self.spec.mla, query.shape[1]
+        # flash attention wants one head size: q, k and v are zero-padded to the larger of
+        # dn + dr and dv (zeros add nothing to a score or a value), the output cut to dv
+        width = max(query.shape[2], m.v_head_dim)
+        query = _padded(query, width)
+        flat = layer.key.view(-1, m.cache_dim)
+        out = query.new_empty(query.shape[0], heads, m.v_head_dim)
+        for s in group.sequences:
+            rows = flat.index_select(0, s.key_slots).to(query.dtype)  # [keys, r + dr]
+            latent, k_pe = rows.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+            k_nope, v = linear(latent, w.kv_b).view(-1, heads, m.qk_nope_head_dim + m.v_head_dim).split(
+                [m.qk_nope_head_dim, m.v_head_dim], dim=-1)
+            k = torch.cat((k_nope, k_pe[:, None].expand(-1, heads, -1)), -1)  # [keys, H, dn + dr]
+            att = attend_gathered(query[s.query_start:s.query_end], _padded(k, width),
+                                  _padded(v, width), s, params)
+            out[s.query_start:s.query_end] = att[..., :m.v_head_dim]
+        return out
+
+
+def _padded(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x [..., d] with zeros appended up to [..., width] (x itself when d == width)."""
+    if x.shape[-1] == width:
+        return x
+    out = x.new_zeros(*x.shape[:-1], width)
+    out[..., :x.shape[-1]] = x
+    return out
 
 
 def _check_supported(spec: ModelSpec) -> None:
@@ -257,6 +312,7 @@ def _load_layer(spec: ModelSpec, source, i: int, dtype: torch.dtype, weights: st
         kv_a_norm=get(a + "kv_a_layernorm.weight"),
         w_uk=kv_b[:, :m.qk_nope_head_dim].contiguous(),
         w_uv_t=kv_b[:, m.qk_nope_head_dim:].transpose(1, 2).contiguous(),
+        kv_b=pack_linear(kv_b.reshape(-1, m.kv_lora_rank).contiguous(), dense_dtype=dtype),
         o=proj(a + "o_proj.weight"),
         post_attn_norm=get(p + "post_attention_layernorm.weight"),
         mlp=None if _is_moe_layer(spec, i) else _gated(source, p + "mlp.", weights, dtype),

@@ -130,6 +130,13 @@ def _prefill_one(q, q_sink, flat_k, flat_v, s: SequenceKeys, params: AttentionPa
     return torch.cat(outs)
 
 
+def attend_gathered(q, k, v, s: SequenceKeys, params: AttentionParams) -> torch.Tensor:
+    """One sequence's queries [n, Hq, D] over keys/values [m, Hkv, D] it already holds
+    (gathered or computed by the caller): the prefill rule and kernels of this backend,
+    without sinks or soft-capping. Used by MLA's expanded prefill (models/deepseek.py)."""
+    return _sdpa(q, k, v, s, params)
+
+
 def _sdpa(q, k, v, s: SequenceKeys, params: AttentionParams):
     n, m = q.shape[0], k.shape[0]
     # A chunk that starts the sequence with no window cut is plain causal attention: no

@@ -2,10 +2,11 @@
 
 One DeepSeek-V2-Lite-shaped layer (hidden 2048, 16 heads, latent 512, nope 128, rope 64,
 v 128; random weights, one dense MLP layer), run through the real ModelRunner over the
-same paged cache, once with the runner's absorbed attention and once with an expanded
-variant monkeypatched in (per step: gather the cached latents, expand k_nope and v for
-every head with kv_b_proj, SDPA over H heads, as transformers computes it). The two agree
-to fp32 rounding (checked on every measured step). Measured:
+same paged cache, with both of the runner's MLA paths forced in turn (`expand_min_tokens`
+set to 1 or to never): absorbed (queries absorbed into the latent, attention over the
+cached rows) and expanded (per step: gather the cached latents, expand k_nope and v for
+every head with kv_b_proj, flash attention over H heads). The two agree to fp32 rounding
+(checked on every measured step). Measured:
 
 - decode: one new token after N cached tokens (N = 512, 2048, 8192);
 - prefill: a whole prompt of N tokens from an empty cache.
@@ -28,40 +29,10 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 V2_LITE = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
            "head_dim": 64, "first_k_dense_replace": 1, "q_lora_rank": None}
-
-
-def expanded_attention(self, layer_id, w, h, step, rope, kv_cache, backend):
-    """The expanded alternative: per-head keys and values from every cached latent."""
-    from ctxwarden.layers.linear import linear
-    from ctxwarden.layers.rotary import apply_rotary
-
-    m, t = self.spec.mla, h.shape[0]
-    q = linear(h, w.q).view(t, -1, m.qk_nope_head_dim + m.qk_rope_head_dim)
-    latent, k_pe = linear(h, w.kv_a).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
-    layer = kv_cache.layer(layer_id)
-    group = step.groups[layer.group_index]
-    cos, sin = rope.tables[("tok", False)]
-    row = torch.cat((self.norm(latent, w.kv_a_norm), apply_rotary(k_pe[:, None], cos, sin)[:, 0]), -1)
-    kv_cache.write(layer, row[:, None], None, group.slot_mapping)
-    q = torch.cat((q[..., :m.qk_nope_head_dim], apply_rotary(q[..., m.qk_nope_head_dim:], cos, sin)), -1)
-    flat = layer.key.view(-1, layer.key.shape[-1])
-    out = torch.empty(t, q.shape[1], m.v_head_dim)
-    for s in group.sequences:
-        rows = flat.index_select(0, s.key_slots)  # [keys, r + dr]
-        lat, kpe = rows[:, :m.kv_lora_rank], rows[:, m.kv_lora_rank:]
-        k_nope = torch.einsum("mr,hdr->hmd", lat, w.w_uk)  # [H, keys, dn]
-        v = torch.einsum("mr,hrd->hmd", lat, w.w_uv_t)  # [H, keys, dv]
-        k = torch.cat((k_nope, kpe[None].expand(k_nope.shape[0], -1, -1)), -1)
-        mask = s.key_positions[None, :] <= s.query_positions[:, None]
-        qs = q[s.query_start:s.query_end].transpose(0, 1)  # [H, n, dn + dr]
-        o = F.scaled_dot_product_attention(qs[None], k[None], v[None], attn_mask=mask, scale=self.scale)
-        out[s.query_start:s.query_end] = o[0].transpose(0, 1)
-    return linear(out.reshape(t, -1), w.o)
 
 
 def _checkpoint(tmp: Path) -> Path:
@@ -92,13 +63,13 @@ def _measure(runner, model, kind: str, n: int, repeats: int) -> dict:
     else:
         batch = ForwardBatch((SequenceInput.chunk(prompt, 0, table),))
     best, outs = {"absorbed": float("inf"), "expanded": float("inf")}, {}
-    absorbed = type(model).attention
+    threshold = model.expand_min_tokens
     for _ in range(repeats):
         for name in best:
-            model.attention = (absorbed if name == "absorbed" else expanded_attention).__get__(model)
+            model.expand_min_tokens = 1 if name == "expanded" else 1 << 62
             seconds, outs[name] = _timed(lambda: runner.forward(batch))
             best[name] = min(best[name], seconds)
-    model.attention = absorbed.__get__(model)
+    model.expand_min_tokens = threshold
     diff = (outs["absorbed"] - outs["expanded"]).abs().max().item()
     return {"kind": kind, "tokens": n, "absorbed_s": best["absorbed"], "expanded_s": best["expanded"],
             "expanded_over_absorbed": best["expanded"] / best["absorbed"], "max_logit_diff": diff}
@@ -143,6 +114,7 @@ def main() -> None:
     result = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
                          f"load {os.getloadavg()[0]:.1f}", "torch": torch.__version__,
               "threads": torch.get_num_threads(), "repeats": args.repeats, "rows": rows,
+              "runner_expands_from_tokens": runner.model.expand_min_tokens,
               "date": time.strftime("%Y-%m-%d %H:%M")}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "mla_attention.json").write_text(json.dumps(result, indent=1))

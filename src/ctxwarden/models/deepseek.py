@@ -207,7 +207,7 @@ class DeepseekForCausalLM(LlamaForCausalLM):
     def _is_expanded_step(self, group, layer) -> bool:
         """Every sequence of the step brings enough new tokens to expand (no sinks: their
         re-positioned queries are the backend's)."""
-        return (group.decode is None and not layer.sink_tokens and
+        return (not layer.sink_tokens and
                 min(s.query_end - s.query_start for s in group.sequences) >= self.expand_min_tokens)
 
     def _expanded(self, w: MLALayerWeights, query, layer, group, params) -> torch.Tensor:

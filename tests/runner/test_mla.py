@@ -144,3 +144,16 @@ def test_engine_under_pressure_gives_the_calm_outputs(tiny_model, mode):
     stats = tight.engine.stats()
     assert (stats.num_preemptions_swap if mode == "swap" else stats.num_preemptions_recompute) > 0
     assert stats.kv.num_blocks_in_use == 0
+
+
+def test_mla_absorbed_and_expanded_agree_under_a_window(tiny_model):
+    """Window mode (no transformers reference): both attention paths read the same keys."""
+    model_dir = _model(tiny_model, "v3")
+    absorbed = make_runner(model_dir, 16, 120, window_tokens=32)
+    absorbed.model.expand_min_tokens = 1 << 62  # never expand
+    expanded = make_runner(model_dir, 16, 120, window_tokens=32)
+    expanded.model.expand_min_tokens = 1  # expand every step, decode included
+    a, b = (paged_run(r, prompt_ids(100, 512), 6, chunk_tokens=40) for r in (absorbed, expanded))
+    assert max_diff(a, b) < MLA_TOL and a.tokens == b.tokens
+    full = paged_run(make_runner(model_dir, 16, 120), prompt_ids(100, 512), 6)
+    assert max_diff(a, full) > 1e-3  # the window really cut keys

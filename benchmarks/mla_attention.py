@@ -2,8 +2,8 @@
 
 One DeepSeek-V2-Lite-shaped layer (hidden 2048, 16 heads, latent 512, nope 128, rope 64,
 v 128; random weights, one dense MLP layer), run through the real ModelRunner over the
-same paged cache, with both of the runner's MLA paths forced in turn (`expand_min_tokens`
-set to 1 or to never): absorbed (queries absorbed into the latent, attention over the
+same paged cache, with both of the runner's MLA paths forced in turn (`model.force_path`):
+absorbed (queries absorbed into the latent, attention over the
 cached rows) and expanded (per step: gather the cached latents, expand k_nope and v for
 every head with kv_b_proj, flash attention over H heads). The two agree to fp32 rounding
 (checked on every measured step). Measured:
@@ -12,8 +12,9 @@ every head with kv_b_proj, flash attention over H heads). The two agree to fp32 
 - prefill: a whole prompt of N tokens from an empty cache.
 
 Variants alternate within each repeat (best of --repeats), so load drift hits both alike.
-Per-token FLOPs, absorbed: H (r + dr) keys + H r values; expanded: r H (dn + dv) per key
-to expand, then H (dn + dr) + H dv. Decode re-expands every cached key each step.
+Multiply-adds per head, absorbed: r (dn + dv) per query + 2 (r + dr) per (query, key) pair;
+expanded: r (dn + dv) per key + dn + dr + dv per pair. Decode re-expands every cached key
+each step; a prompt's first chunk expands as many keys as absorbing would absorb queries.
 
 Run: .venv/bin/python benchmarks/mla_attention.py [--repeats 3] [--out benchmarks/results]
 """
@@ -63,13 +64,12 @@ def _measure(runner, model, kind: str, n: int, repeats: int) -> dict:
     else:
         batch = ForwardBatch((SequenceInput.chunk(prompt, 0, table),))
     best, outs = {"absorbed": float("inf"), "expanded": float("inf")}, {}
-    threshold = model.expand_min_tokens
     for _ in range(repeats):
         for name in best:
-            model.expand_min_tokens = 1 if name == "expanded" else 1 << 62
+            model.force_path = name
             seconds, outs[name] = _timed(lambda: runner.forward(batch))
             best[name] = min(best[name], seconds)
-    model.expand_min_tokens = threshold
+    model.force_path = None
     diff = (outs["absorbed"] - outs["expanded"]).abs().max().item()
     return {"kind": kind, "tokens": n, "absorbed_s": best["absorbed"], "expanded_s": best["expanded"],
             "expanded_over_absorbed": best["expanded"] / best["absorbed"], "max_logit_diff": diff}
@@ -114,7 +114,6 @@ def main() -> None:
     result = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
                          f"load {os.getloadavg()[0]:.1f}", "torch": torch.__version__,
               "threads": torch.get_num_threads(), "repeats": args.repeats, "rows": rows,
-              "runner_expands_from_tokens": runner.model.expand_min_tokens,
               "date": time.strftime("%Y-%m-%d %H:%M")}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "mla_attention.json").write_text(json.dumps(result, indent=1))

@@ -67,11 +67,12 @@ def test_mla_prefill_and_decode_match_transformers(tiny_model, case):
 @pytest.mark.parametrize("case", ["v2", "v3"])
 def test_mla_block_sizes_and_chunked_prefill(tiny_model, case, block_size):
     """Page size 1 and 16; the prompt (100 tokens, not a block multiple) whole, in chunks of
-    33 (expanded: the tiny shapes expand from 26 new tokens) and of 10 (absorbed)."""
+    33 (expanded: the tiny shapes expand a chunk of n after c cached when 1024 c < 40 n (n + c))
+    and of 10 (later chunks absorbed)."""
     model_dir = _model(tiny_model, case)
     _check(model_dir, 100, block_size)
-    _check(model_dir, 100, block_size, chunk_tokens=33)  # expanded chunks (>= 26 tokens)
-    _check(model_dir, 100, block_size, chunk_tokens=10)  # absorbed chunks
+    _check(model_dir, 100, block_size, chunk_tokens=33)  # chunks 2 and 3 expanded
+    _check(model_dir, 100, block_size, chunk_tokens=10)  # chunks 2... absorbed
 
 
 @pytest.mark.parametrize("case", ["v2", "v3"])
@@ -150,9 +151,9 @@ def test_mla_absorbed_and_expanded_agree_under_a_window(tiny_model):
     """Window mode (no transformers reference): both attention paths read the same keys."""
     model_dir = _model(tiny_model, "v3")
     absorbed = make_runner(model_dir, 16, 120, window_tokens=32)
-    absorbed.model.expand_min_tokens = 1 << 62  # never expand
+    absorbed.model.force_path = "absorbed"
     expanded = make_runner(model_dir, 16, 120, window_tokens=32)
-    expanded.model.expand_min_tokens = 1  # expand every step, decode included
+    expanded.model.force_path = "expanded"  # every step, decode included
     a, b = (paged_run(r, prompt_ids(100, 512), 6, chunk_tokens=40) for r in (absorbed, expanded))
     assert max_diff(a, b) < MLA_TOL and a.tokens == b.tokens
     full = paged_run(make_runner(model_dir, 16, 120), prompt_ids(100, 512), 6)

@@ -19,12 +19,15 @@ per-head keys, and a decode step costs H x (dn + dv) x r per token for the two
 absorptions instead of expanding every cached token. The value is the cached row itself
 (its rope part is ignored afterwards), so the pool stores each row once.
 
-Long prefill chunks are the exception: per (query, key) pair absorbed attention costs
-H (2 (r + dr)) multiply-adds, expanded H (dn + dr + dv), plus r H (dn + dv) once per key
-to expand it. Expanding wins once a chunk has more than r (dn + dv) / (2 r + dr - dn - dv)
-new tokens (157 for DeepSeek-V2/V3 shapes; benchmarks/mla_attention.py measures both), so
-a step whose every sequence brings at least that many takes the expanded path; decode
-steps and short chunks stay absorbed. Either way the cache holds the same latent rows.
+Prefill is the exception. Per head, absorbing costs r (dn + dv) per query (q_nope in,
+the output back out) and 2 (r + dr) per (query, key) pair; expanding costs r (dn + dv) per
+key read and dn + dr + dv per pair. With n new tokens reading m keys, expanding is cheaper
+iff r (dn + dv) (m - n) < n m (2 r + dr - dn - dv): always for a prompt's first chunk
+(m == n), never for a decode step, and for a later chunk once it is long enough against
+what is cached. A step expands when that holds for every sequence in it. Measured on a
+V2-Lite-shaped layer (benchmarks/mla_attention.py): a whole prompt expanded takes
+0.4-0.9x the absorbed time from 8 tokens up, a decode step expanded 1.5x (64 cached) to
+32x (8,192 cached). Either way the cache holds the same latent rows.
 
 Rotary: DeepSeek's weights rotate interleaved pairs (x0, x1), (x2, x3), ...; the rope rows
 of the q and kv_a projections are reordered at load time (evens, then odds) so the
@@ -94,12 +97,12 @@ def softmax_scale(spec: ModelSpec) -> float:
     return scale
 
 
-def expand_min_tokens(m) -> int:
-    """New tokens per sequence from which expanding keys beats absorbing queries (see top)."""
-    saved = 2 * m.kv_lora_rank + m.qk_rope_head_dim - m.qk_nope_head_dim - m.v_head_dim
-    if saved <= 0:
-        return 1 << 62  # expanded attention is never cheaper per pair: always absorb
-    return math.ceil(m.kv_lora_rank * (m.qk_nope_head_dim + m.v_head_dim) / saved)
+def expansion_pays(m, num_new_tokens: int, num_keys: int) -> bool:
+    """Whether expanding `num_keys` cached latents beats absorbing `num_new_tokens` queries
+    (the per-head multiply-add counts of the module docstring; m is the MLAConfig)."""
+    per_token = m.kv_lora_rank * (m.qk_nope_head_dim + m.v_head_dim)
+    per_pair_saved = 2 * m.kv_lora_rank + m.qk_rope_head_dim - m.qk_nope_head_dim - m.v_head_dim
+    return per_token * (num_keys - num_new_tokens) < num_new_tokens * num_keys * per_pair_saved
 
 
 def _is_moe_layer(spec: ModelSpec, layer_id: int) -> bool:
@@ -112,7 +115,7 @@ class DeepseekForCausalLM(LlamaForCausalLM):
     def __init__(self, spec: ModelSpec, embed, layers, final_norm, lm_head, dtype=None):
         super().__init__(spec, embed, layers, final_norm, lm_head, dtype)
         self.scale = softmax_scale(spec)
-        self.expand_min_tokens = expand_min_tokens(spec.mla)
+        self.force_path: str | None = None  # "absorbed" | "expanded": benchmarks and tests only
         self.routing = routing_of(spec) if any(w.moe is not None for w in layers) else None
 
     # ---- loading -----------------------------------------------------------------------
@@ -205,10 +208,12 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         return linear(heads_out, w.o)
 
     def _is_expanded_step(self, group, layer) -> bool:
-        """Every sequence of the step brings enough new tokens to expand (no sinks: their
+        """Expanding pays for every sequence of the step (sink mode stays absorbed: its
         re-positioned queries are the backend's)."""
-        return (not layer.sink_tokens and
-                min(s.query_end - s.query_start for s in group.sequences) >= self.expand_min_tokens)
+        if self.force_path is not None or layer.sink_tokens:
+            return self.force_path == "expanded" and not layer.sink_tokens
+        return all(expansion_pays(self.spec.mla, s.query_end - s.query_start, s.key_slots.shape[0])
+                   for s in group.sequences)
 
     def _expanded(self, w: MLALayerWeights, query, layer, group, params) -> torch.Tensor:
         """Attention [T, H, dv] with per-head keys and values expanded from the cached rows."""

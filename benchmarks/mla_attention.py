@@ -9,7 +9,8 @@ every head with kv_b_proj, flash attention over H heads). The two agree to fp32 
 (checked on every measured step). Measured:
 
 - decode: one new token after N cached tokens (N = 512, 2048, 8192);
-- prefill: a whole prompt of N tokens from an empty cache.
+- prefill: a whole prompt of N tokens from an empty cache;
+- chunk: a chunk of N new tokens after --chunk-after cached ones (chunked prefill).
 
 Variants alternate within each repeat (best of --repeats), so load drift hits both alike.
 Multiply-adds per head, absorbed: r (dn + dv) per query + 2 (r + dr) per (query, key) pair;
@@ -51,18 +52,19 @@ def _timed(fn) -> tuple[float, torch.Tensor]:
     return time.perf_counter() - start, out
 
 
-def _measure(runner, model, kind: str, n: int, repeats: int) -> dict:
+def _measure(runner, model, kind: str, n: int, repeats: int, chunk_after: int) -> dict:
     """Best seconds of each variant for one (kind, N), alternating, with their max diff."""
+    from ctxwarden.models.deepseek import expansion_pays
     from ctxwarden.runner import ForwardBatch, SequenceInput
 
     bs = runner.layout.block_size
-    table = (tuple(range(-(-(n + 1) // bs))),)
-    prompt = [3 + i % 500 for i in range(n)]
-    if kind == "decode":  # fill the cache once (absorbed); each decode step rewrites slot n
-        runner.forward(ForwardBatch((SequenceInput.chunk(prompt, 0, table),)))
-        batch = ForwardBatch((SequenceInput.chunk([7], n, table),))
-    else:
-        batch = ForwardBatch((SequenceInput.chunk(prompt, 0, table),))
+    cached = {"decode": n, "prefill": 0, "chunk": chunk_after}[kind]
+    new = 1 if kind == "decode" else n
+    table = (tuple(range(-(-(cached + new) // bs))),)
+    if cached:  # fill the cache once (the runner's own choice of path); steps rewrite after it
+        runner.forward(ForwardBatch((SequenceInput.chunk([3 + i % 500 for i in range(cached)], 0, table),)))
+    batch = ForwardBatch((SequenceInput.chunk([7 + i % 500 for i in range(new)], cached, table),))
+    chosen = "expanded" if expansion_pays(model.spec.mla, new, cached + new) else "absorbed"
     best, outs = {"absorbed": float("inf"), "expanded": float("inf")}, {}
     for _ in range(repeats):
         for name in best:
@@ -71,7 +73,8 @@ def _measure(runner, model, kind: str, n: int, repeats: int) -> dict:
             best[name] = min(best[name], seconds)
     model.force_path = None
     diff = (outs["absorbed"] - outs["expanded"]).abs().max().item()
-    return {"kind": kind, "tokens": n, "absorbed_s": best["absorbed"], "expanded_s": best["expanded"],
+    return {"kind": kind, "tokens": n, "cached_tokens": cached, "runner_picks": chosen,
+            "absorbed_s": best["absorbed"], "expanded_s": best["expanded"],
             "expanded_over_absorbed": best["expanded"] / best["absorbed"], "max_logit_diff": diff}
 
 
@@ -81,13 +84,15 @@ def _plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, kind in zip(axes, ("decode", "prefill")):
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for ax, kind in zip(axes, ("decode", "prefill", "chunk")):
         sel = [r for r in rows if r["kind"] == kind]
         xs = [r["tokens"] for r in sel]
         for name in ("absorbed", "expanded"):
             ax.plot(xs, [r[f"{name}_s"] * 1e3 for r in sel], marker="o", label=name)
-        ax.set(xscale="log", yscale="log", xlabel="tokens in context" if kind == "decode" else "prompt tokens",
+        xlabel = {"decode": "tokens in context", "prefill": "prompt tokens",
+                  "chunk": f"new tokens after {sel[0]['cached_tokens'] if sel else 0} cached"}[kind]
+        ax.set(xscale="log", yscale="log", xlabel=xlabel,
                ylabel="ms per step (1 layer)", title=f"MLA {kind} (DeepSeek-V2-Lite shapes)")
         ax.legend()
     fig.tight_layout()
@@ -99,6 +104,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--decode-tokens", type=int, nargs="+", default=[512, 2048, 8192])
     ap.add_argument("--prefill-tokens", type=int, nargs="+", default=[128, 512, 2048])
+    ap.add_argument("--chunk-tokens", type=int, nargs="+", default=[16, 64, 256, 1024])
+    ap.add_argument("--chunk-after", type=int, default=2048)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = ap.parse_args()
     from rich.progress import track
@@ -106,10 +113,11 @@ def main() -> None:
     from ctxwarden.runner import ModelRunner, RunnerConfig
 
     with tempfile.TemporaryDirectory() as tmp:
-        most = max(args.decode_tokens + args.prefill_tokens) + 1
+        most = max(args.decode_tokens + args.prefill_tokens + [args.chunk_after + max(args.chunk_tokens)]) + 1
         runner = ModelRunner(_checkpoint(Path(tmp)), RunnerConfig(num_blocks=-(-most // 16), block_size=16))
-        cases = [("decode", n) for n in args.decode_tokens] + [("prefill", n) for n in args.prefill_tokens]
-        rows = [_measure(runner, runner.model, kind, n, args.repeats)
+        cases = ([("decode", n) for n in args.decode_tokens] + [("prefill", n) for n in args.prefill_tokens]
+                 + [("chunk", n) for n in args.chunk_tokens])
+        rows = [_measure(runner, runner.model, kind, n, args.repeats, args.chunk_after)
                 for kind, n in track(cases, description="MLA absorbed vs expanded")]
     result = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
                          f"load {os.getloadavg()[0]:.1f}", "torch": torch.__version__,
@@ -119,7 +127,7 @@ def main() -> None:
     (args.out / "mla_attention.json").write_text(json.dumps(result, indent=1))
     _plot(rows, args.out / "mla_attention.png")
     for r in rows:
-        print(f"{r['kind']:8s} {r['tokens']:6d}: absorbed {r['absorbed_s'] * 1e3:8.1f} ms, expanded "
+        print(f"{r['kind']:8s} {r['tokens']:6d} (+{r['cached_tokens']} cached, runner: {r['runner_picks']}): absorbed {r['absorbed_s'] * 1e3:8.1f} ms, expanded "
               f"{r['expanded_s'] * 1e3:8.1f} ms ({r['expanded_over_absorbed']:.2f}x), diff {r['max_logit_diff']:.1e}")
 
 

@@ -24,7 +24,9 @@ the output back out) and 2 (r + dr) per (query, key) pair; expanding costs r (dn
 key read and dn + dr + dv per pair. With n new tokens reading m keys, expanding is cheaper
 iff r (dn + dv) (m - n) < n m (2 r + dr - dn - dv): always for a prompt's first chunk
 (m == n), never for a decode step, and for a later chunk once it is long enough against
-what is cached. A step expands when that holds for every sequence in it. Measured on a
+what is cached. Decode steps go absorbed through the paged backend (its in-place decode
+kernel); every other step decides per sequence (a mixed step's decodes absorb, its
+prefills expand), folding the H query heads of the absorbed case into one KV head's rows. Measured on a
 V2-Lite-shaped layer (benchmarks/mla_attention.py): a whole prompt expanded takes
 0.4-0.9x the absorbed time from 8 tokens up, a decode step expanded 1.5x (64 cached) to
 32x (8,192 cached). Either way the cache holds the same latent rows.
@@ -182,7 +184,7 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         return x + gated_mlp(h, *w.mlp, self.act)
 
     def attention(self, layer_id, w: MLALayerWeights, h, step, rope, kv_cache, backend):
-        """MLA of one layer, absorbed: queries meet the cached latent rows directly."""
+        """MLA of one layer: write the latent rows, then attend absorbed or expanded."""
         m, t = self.spec.mla, h.shape[0]
         q = linear(h, w.q) if w.q is not None else linear(self.norm(linear(h, w.q_a), w.q_a_norm), w.q_b)
         q_nope, q_pe = q.view(t, -1, m.qk_nope_head_dim + m.qk_rope_head_dim).split(
@@ -194,46 +196,63 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         row = torch.cat((self.norm(latent, w.kv_a_norm), apply_rotary(k_pe[:, None], cos, sin)[:, 0]), -1)
         kv_cache.write(layer, row[:, None], None, group.slot_mapping)  # [T, 1, cache_dim]
         params = self.attention_params(layer_id, kv_cache)
-        if self._is_expanded_step(group, layer):
-            query = torch.cat((q_nope, apply_rotary(q_pe, cos, sin)), -1)  # [T, H, dn + dr]
-            return linear(self._expanded(w, query, layer, group, params).reshape(t, -1), w.o)
+        q_rot = apply_rotary(q_pe, cos, sin)
+        if layer.sink_tokens or (group.decode is not None and self.force_path != "expanded"):
+            sink = rope.tables.get(("sink", False, layer.group_index))
+            q_sink = apply_rotary(q_pe, *sink) if sink is not None and layer.sink_tokens else None
+            out = self._absorbed_paged(w, q_nope, q_rot, q_sink, layer, group, params, backend)
+        else:
+            out = self._per_sequence(w, q_nope, q_rot, layer, group, params)
+        return linear(out.reshape(t, -1), w.o)
+
+    def _absorbed_paged(self, w, q_nope, q_rot, q_sink, layer, group, params, backend):
+        """Decode steps and sink mode: absorbed queries through the paged backend -> [T, H, dv]."""
         q_lat = torch.bmm(q_nope.transpose(0, 1), w.w_uk).transpose(0, 1)  # [T, H, r]
-        query = torch.cat((q_lat, apply_rotary(q_pe, cos, sin)), -1)  # [T, H, cache_dim]
-        sink = rope.tables.get(("sink", False, layer.group_index))
-        q_sink = (torch.cat((q_lat, apply_rotary(q_pe, *sink)), -1)
-                  if sink is not None and layer.sink_tokens else None)
-        out = backend.forward(query.contiguous(), q_sink, layer, group, params)
-        o_lat = out[..., :m.kv_lora_rank].transpose(0, 1)  # [H, T, r]
-        heads_out = torch.bmm(o_lat, w.w_uv_t).transpose(0, 1).reshape(t, -1)  # [T, H dv]
-        return linear(heads_out, w.o)
+        sink_query = None if q_sink is None else torch.cat((q_lat, q_sink), -1)
+        out = backend.forward(torch.cat((q_lat, q_rot), -1), sink_query, layer, group, params)
+        return self._from_latent(w, out[..., :self.spec.mla.kv_lora_rank])
 
-    def _is_expanded_step(self, group, layer) -> bool:
-        """Expanding pays for every sequence of the step (sink mode stays absorbed: its
-        re-positioned queries are the backend's)."""
-        if self.force_path is not None or layer.sink_tokens:
-            return self.force_path == "expanded" and not layer.sink_tokens
-        return all(expansion_pays(self.spec.mla, s.query_end - s.query_start, s.key_slots.shape[0])
-                   for s in group.sequences)
+    def _from_latent(self, w, o_lat: torch.Tensor) -> torch.Tensor:
+        """Attention output in latent space [T, H, r] -> per-head values [T, H, dv]."""
+        return torch.bmm(o_lat.transpose(0, 1), w.w_uv_t).transpose(0, 1)
 
-    def _expanded(self, w: MLALayerWeights, query, layer, group, params) -> torch.Tensor:
-        """Attention [T, H, dv] with per-head keys and values expanded from the cached rows."""
-        m, heads = self.spec.mla, query.shape[1]
+    def _per_sequence(self, w, q_nope, q_rot, layer, group, params) -> torch.Tensor:
+        """Prefill, chunks and mixed steps: each sequence absorbed or expanded, whichever the
+        multiply-add count favours for its new tokens and keys -> [T, H, dv]."""
+        m = self.spec.mla
+        flat = layer.key.view(-1, m.cache_dim)
+        out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], m.v_head_dim)
+        for s in group.sequences:
+            part = slice(s.query_start, s.query_end)
+            rows = flat.index_select(0, s.key_slots).to(q_nope.dtype)  # [keys, r + dr]
+            if self._expands(s):
+                out[part] = self._expanded(w, q_nope[part], q_rot[part], rows, s, params)
+            else:
+                q_lat = torch.bmm(q_nope[part].transpose(0, 1), w.w_uk).transpose(0, 1)
+                o = attend_gathered(torch.cat((q_lat, q_rot[part]), -1), rows[:, None], rows[:, None],
+                                    s, params)  # one KV head: query heads folded, no K/V copies
+                out[part] = self._from_latent(w, o[..., :m.kv_lora_rank])
+        return out
+
+    def _expands(self, s) -> bool:
+        if self.force_path is not None:
+            return self.force_path == "expanded"
+        return expansion_pays(self.spec.mla, s.query_end - s.query_start, s.key_slots.shape[0])
+
+    def _expanded(self, w: MLALayerWeights, q_nope, q_rot, rows, s, params) -> torch.Tensor:
+        """One sequence's attention [n, H, dv] over per-head keys and values expanded from
+        its cached rows [keys, r + dr]."""
+        m, heads = self.spec.mla, q_nope.shape[1]
+        latent, k_pe = rows.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        k_nope, v = linear(latent, w.kv_b).view(-1, heads, m.qk_nope_head_dim + m.v_head_dim).split(
+            [m.qk_nope_head_dim, m.v_head_dim], dim=-1)
+        k = torch.cat((k_nope, k_pe[:, None].expand(-1, heads, -1)), -1)  # [keys, H, dn + dr]
         # flash attention wants one head size: q, k and v are zero-padded to the larger of
         # dn + dr and dv (zeros add nothing to a score or a value), the output cut to dv
-        width = max(query.shape[2], m.v_head_dim)
-        query = _padded(query, width)
-        flat = layer.key.view(-1, m.cache_dim)
-        out = query.new_empty(query.shape[0], heads, m.v_head_dim)
-        for s in group.sequences:
-            rows = flat.index_select(0, s.key_slots).to(query.dtype)  # [keys, r + dr]
-            latent, k_pe = rows.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
-            k_nope, v = linear(latent, w.kv_b).view(-1, heads, m.qk_nope_head_dim + m.v_head_dim).split(
-                [m.qk_nope_head_dim, m.v_head_dim], dim=-1)
-            k = torch.cat((k_nope, k_pe[:, None].expand(-1, heads, -1)), -1)  # [keys, H, dn + dr]
-            att = attend_gathered(query[s.query_start:s.query_end], _padded(k, width),
-                                  _padded(v, width), s, params)
-            out[s.query_start:s.query_end] = att[..., :m.v_head_dim]
-        return out
+        width = max(k.shape[-1], m.v_head_dim)
+        query = _padded(torch.cat((q_nope, q_rot), -1), width)
+        att = attend_gathered(query, _padded(k, width), _padded(v, width), s, params)
+        return att[..., :m.v_head_dim]
 
 
 def _padded(x: torch.Tensor, width: int) -> torch.Tensor:

@@ -9,10 +9,16 @@ rope de-interleave by 7.6e-3 (both measured); the runner's diff is ~3e-7.
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 import torch
 
+from ctxwarden.errors import ConfigError
+from ctxwarden.models.deepseek import DeepseekForCausalLM
 from ctxwarden.spec.checkpoint import resolve_checkpoint
+from ctxwarden.spec.model_spec import parse_model_config
 from ctxwarden.plan import plan_memory
 from ctxwarden.runner import ModelRunner, RunnerConfig
 from runner_parity import hf_model, hf_reference, make_runner, max_diff, paged_run, prompt_ids
@@ -158,3 +164,18 @@ def test_mla_absorbed_and_expanded_agree_under_a_window(tiny_model):
     assert max_diff(a, b) < MLA_TOL and a.tokens == b.tokens
     full = paged_run(make_runner(model_dir, 16, 120), prompt_ids(100, 512), 6)
     assert max_diff(a, full) > 1e-3  # the window really cut keys
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"num_experts_per_tok": 5}, "num_experts_per_tok"),
+    ({"n_group": 3}, "n_group dividing n_routed_experts (4)"),
+    ({"topk_group": 3}, "topk_group <= n_group"),
+    ({"attention_bias": True}, "attention_bias"),
+])
+def test_mla_configs_that_cannot_run_are_refused_by_name(tiny_model, overrides, message):
+    """Routing fields that would fail inside a forward are refused when the model loads."""
+    model_dir = tiny_model("deepseek_v3")
+    config = json.loads((model_dir / "config.json").read_text())
+    bad = parse_model_config({**config, **overrides}, source="bad/config.json")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        DeepseekForCausalLM.expected_tensors(bad)

@@ -271,6 +271,26 @@ def _check_supported(spec: ModelSpec) -> None:
     if spec.rope.partial_rotary_factor != 1.0:
         raise ConfigError(spec.source, "partial_rotary_factor",
                           "MLA rotates all qk_rope_head_dim dims; remove the field")
+    if any(_is_moe_layer(spec, i) for i in range(spec.num_layers)):
+        _check_routing(spec)
+
+
+def _check_routing(spec: ModelSpec) -> None:
+    """MoE fields that would otherwise fail deep inside a forward, named with the fix."""
+    moe, src = spec.moe, spec.source
+    experts, k = moe["n_routed_experts"], moe.get("num_experts_per_tok")
+    if not k or k > experts:
+        raise ConfigError(src, "num_experts_per_tok", f"must be in [1, n_routed_experts = "
+                          f"{experts}] for the MoE layers, got {k}")
+    grouped = spec.model_type == "deepseek_v3" or moe.get("topk_method") == "group_limited_greedy"
+    groups, kept = moe.get("n_group"), moe.get("topk_group")
+    if grouped and (not groups or experts % groups or not kept or kept > groups):
+        raise ConfigError(src, "n_group", f"group-limited routing needs n_group dividing "
+                          f"n_routed_experts ({experts}) and 1 <= topk_group <= n_group; got "
+                          f"n_group {groups}, topk_group {kept}")
+    if spec.model_type == "deepseek_v3" and experts // groups < 2:
+        raise ConfigError(src, "n_group", f"V3 scores a group by its 2 best experts; "
+                          f"{experts} experts in {groups} groups leave fewer than 2 per group")
 
 
 def _mlp_names(spec: ModelSpec, i: int) -> dict[str, tuple[int, ...]]:

@@ -23,13 +23,12 @@ Prefill is the exception. Per head, absorbing costs r (dn + dv) per query (q_nop
 the output back out) and 2 (r + dr) per (query, key) pair; expanding costs r (dn + dv) per
 key read and dn + dr + dv per pair. With n new tokens reading m keys, expanding is cheaper
 iff r (dn + dv) (m - n) < n m (2 r + dr - dn - dv): always for a prompt's first chunk
-(m == n), never for a decode step, and for a later chunk once it is long enough against
-what is cached. Decode steps go absorbed through the paged backend (its in-place decode
-kernel); every other step decides per sequence (a mixed step's decodes absorb, its
-prefills expand), folding the H query heads of the absorbed case into one KV head's rows. Measured on a
-V2-Lite-shaped layer (benchmarks/mla_attention.py): a whole prompt expanded takes
-0.4-0.9x the absorbed time from 8 tokens up, a decode step expanded 1.5x (64 cached) to
-32x (8,192 cached). Either way the cache holds the same latent rows.
+(m == n), never for a decode step, and for a later chunk once it is long against what is
+cached. Decode steps go absorbed through the paged backend (its in-place decode kernel);
+every other step decides per sequence (in a mixed step the decodes absorb and the prompts
+expand), the absorbed case folding its H query heads into rows over the one KV head.
+benchmarks/mla_attention.py measures both paths on a V2-Lite-shaped layer: the rule picks
+the faster one at all 13 points measured. Either way the cache holds the same latent rows.
 
 Rotary: DeepSeek's weights rotate interleaved pairs (x0, x1), (x2, x3), ...; the rope rows
 of the q and kv_a projections are reordered at load time (evens, then odds) so the

@@ -21,7 +21,7 @@ from ctxwarden.spec.checkpoint import resolve_checkpoint
 from ctxwarden.spec.model_spec import parse_model_config
 from ctxwarden.plan import plan_memory
 from ctxwarden.runner import ModelRunner, RunnerConfig
-from runner_parity import hf_model, hf_reference, make_runner, max_diff, paged_run, prompt_ids
+from runner_parity import hf_model, hf_reference, make_runner, max_diff, paged_run, prompt_ids, sink_mode_diff
 
 MLA_TOL = 1e-5
 NUM_DECODE = 12
@@ -179,3 +179,12 @@ def test_mla_configs_that_cannot_run_are_refused_by_name(tiny_model, overrides, 
     bad = parse_model_config({**config, **overrides}, source="bad/config.json")
     with pytest.raises(ConfigError, match=re.escape(message)):
         DeepseekForCausalLM.expected_tensors(bad)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+def test_mla_sink_mode_matches_hf_on_the_kept_tokens(tiny_model, arch):
+    """Streaming (4 sinks + window) over the latent cache: one MoE layer, so each token's
+    latent row depends on it alone and the kept rows are transformers' cache on them."""
+    model_dir = tiny_model(arch, num_layers=1, config_overrides={"first_k_dense_replace": 0})
+    diff = sink_mode_diff(model_dir, block_size=4)
+    assert diff < MLA_TOL, f"max |logit diff| {diff:.2e}"

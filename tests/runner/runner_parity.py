@@ -118,3 +118,66 @@ def prompt_ids(length: int, vocab: int, seed: int = 0) -> list[int]:
     """A reproducible prompt of random token ids (special ids 0..2 avoided)."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (length,), generator=g).tolist()
+
+
+def poison_dropped_blocks(runner, tables, next_position: int, poison_page: int):
+    """Point every windowed group's blocks that fell out of the window at a NaN page, and
+    fill the pages they held with NaN too (as if the block manager had reused them)."""
+    layout = runner.layout
+    new_tables = []
+    for g, table in enumerate(tables):
+        group = layout.groups[g]
+        if group.window_tokens is None:
+            new_tables.append(table)
+            continue
+        first_needed = next_position - group.window_tokens + 1
+        sink_blocks = -(-layout.sink_tokens // layout.block_size)
+        table = list(table)
+        for i in range(sink_blocks, len(table)):
+            if (i + 1) * layout.block_size <= first_needed:
+                fill_nan(runner, table[i])
+                table[i] = poison_page
+        new_tables.append(tuple(table))
+    return tuple(new_tables)
+
+
+def fill_nan(runner, page: int) -> None:
+    """Fill page `page` of every pool tensor with NaN (a page no one may read)."""
+    for t in runner.kv_cache.keys + runner.kv_cache.values:
+        t[page] = float("nan")
+
+
+def kept_tokens(tokens: list[int], position: int, sinks: int, window: int) -> list[int]:
+    """What a StreamingLLM cache holds when the query is at `position` (query included)."""
+    start = position - window + 1
+    if start <= sinks:
+        return tokens[:position + 1]
+    return tokens[:sinks] + tokens[start:position + 1]
+
+
+def sink_mode_diff(model_dir: Path, block_size: int) -> float:
+    """Max |logit diff| of sink mode (4 sinks + a 12-token window, dropped blocks poisoned
+    with NaN) against transformers run on the tokens the cache keeps, positions 0..n-1.
+
+    Exact for a one-layer model only: then each token's K/V depend on the token alone.
+    Chunks of 8 and 10 and single decode tokens, 60 tokens in all.
+    """
+    sinks, window, total = 4, 12, 60
+    tokens = prompt_ids(total, 512, seed=3)
+    model = hf_model(model_dir)
+    runner = make_runner(model_dir, block_size, total, num_seqs=2, window_tokens=window, sink_tokens=sinks)
+    pages = PageAllocator(runner.config.num_blocks - 1)
+    poison = runner.config.num_blocks - 1
+    fill_nan(runner, poison)
+    tables = tables_for(runner, pages, total)
+    chunks = [(0, 8)] + [(p, p + 1) for p in range(8, 40)] + [(40, 50)] + [(p, p + 1) for p in range(50, 60)]
+    diff = 0.0
+    for start, end in chunks:
+        tables = poison_dropped_blocks(runner, tables, start, poison)
+        logits = runner.forward(ForwardBatch((SequenceInput.chunk(tokens[start:end], start, tables, "all"),)))
+        for row, position in enumerate(range(start, end)):
+            kept = kept_tokens(tokens, position, sinks, window)
+            with torch.inference_mode():
+                expected = model(torch.tensor([kept])).logits[0, -1]
+            diff = max(diff, (logits[row] - expected).abs().max().item())
+    return diff

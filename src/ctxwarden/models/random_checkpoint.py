@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "deepseek_v2", "deepseek_v3")
 _CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
           "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-          "gemma2": "Gemma2ForCausalLM", "phi3": "Phi3ForCausalLM"}
+          "gemma2": "Gemma2ForCausalLM", "phi3": "Phi3ForCausalLM",
+          "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
@@ -56,6 +57,9 @@ class MakeModelOptions:
     seed: int = 0
     with_tokenizer: bool = True
     corpus_dir: Path | None = None
+    # config.json fields written over the architecture's own (e.g. DeepSeek's q_lora_rank,
+    # topk_method, rope_interleave); checked by parsing the result like any config
+    config_overrides: dict[str, Any] | None = field(default=None, compare=False)
 
     def __post_init__(self):
         if self.arch not in ARCHS:
@@ -100,6 +104,7 @@ def build_config(o: MakeModelOptions) -> dict[str, Any]:
     cfg.update(_arch_config(o))
     if o.partial_rotary_factor is not None:
         cfg["partial_rotary_factor"] = o.partial_rotary_factor
+    cfg.update(o.config_overrides or {})
     return cfg
 
 
@@ -119,7 +124,25 @@ def _arch_config(o: MakeModelOptions) -> dict[str, Any]:
                 "query_pre_attn_scalar": o.resolved_head_dim, "attn_logit_softcapping": 50.0,
                 "final_logit_softcapping": 30.0, "sliding_window": o.sliding_window or 4096,
                 "attention_bias": False}
+    if o.arch in ("deepseek_v2", "deepseek_v3"):
+        return _deepseek_config(o)
     return {}
+
+
+def _deepseek_config(o: MakeModelOptions) -> dict[str, Any]:
+    """Tiny MLA + MoE: latent 32, rope 8 / nope 16 / v 16 per head, 4 experts (top 2) + 1
+    shared, layer 0 dense. V2 as DeepSeek-V2-Lite (no query LoRA, softmax greedy routing);
+    V3 with query LoRA and sigmoid routing over 2 groups (1 kept), interleaved rope."""
+    cfg = {"num_key_value_heads": o.num_heads, "head_dim": 8, "kv_lora_rank": 32,
+           "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+           "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+           "moe_intermediate_size": 32, "first_k_dense_replace": 1, "attention_bias": False,
+           "mlp_bias": False}
+    if o.arch == "deepseek_v2":
+        return {**cfg, "q_lora_rank": None, "topk_method": "greedy", "n_group": None,
+                "topk_group": None, "routed_scaling_factor": 1.0, "norm_topk_prob": False}
+    return {**cfg, "q_lora_rank": 48, "n_group": 2, "topk_group": 1, "norm_topk_prob": True,
+            "routed_scaling_factor": 2.5, "rope_interleave": True}
 
 
 def make_checkpoint(o: MakeModelOptions) -> Path:

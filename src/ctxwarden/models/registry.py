@@ -5,7 +5,8 @@ from __future__ import annotations
 from ctxwarden.spec.model_spec import ModelSpec
 from ctxwarden.errors import UnsupportedArchitecture
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2",
+                         "deepseek_v2", "deepseek_v3")
 
 
 def model_class(spec: ModelSpec, source: str):
@@ -14,6 +15,10 @@ def model_class(spec: ModelSpec, source: str):
         from ctxwarden.models.gemma2 import Gemma2ForCausalLM
 
         return Gemma2ForCausalLM
+    if spec.model_type in ("deepseek_v2", "deepseek_v3"):
+        from ctxwarden.models.deepseek import DeepseekForCausalLM
+
+        return DeepseekForCausalLM
     if spec.model_type in ("llama", "mistral", "qwen2", "qwen3", "phi3"):
         from ctxwarden.models.llama import LlamaForCausalLM
 

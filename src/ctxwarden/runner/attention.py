@@ -130,6 +130,25 @@ def _prefill_one(q, q_sink, flat_k, flat_v, s: SequenceKeys, params: AttentionPa
     return torch.cat(outs)
 
 
+def attend_gathered(q, k, v, s: SequenceKeys, params: AttentionParams) -> torch.Tensor:
+    """One sequence's queries [n, Hq, D] over keys/values [m, Hkv, D] it already holds
+    (gathered or computed by the caller): the prefill rule and kernels of this backend,
+    without sinks or soft-capping. Used by MLA (models/deepseek.py).
+
+    With one KV head (MQA, MLA's latent rows) the Hq query heads are folded into Hq * n
+    rows of one head: one SDPA call with the [n, m] mask repeated per head, where the
+    flash path would first copy K and V Hq times (2,048 keys of 576 values: 75 MB).
+    """
+    n, hq, d = q.shape
+    if k.shape[1] == 1 and hq > 1:
+        mask = _allowed(s.query_positions, s.key_positions, params).repeat(hq, 1)  # [Hq n, m]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).reshape(1, 1, hq * n, d), k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None], attn_mask=mask[None, None], scale=params.scale)
+        return out.view(hq, n, -1).transpose(0, 1)  # [n, Hq, Dv]
+    return _sdpa(q, k, v, s, params)
+
+
 def _sdpa(q, k, v, s: SequenceKeys, params: AttentionParams):
     n, m = q.shape[0], k.shape[0]
     # A chunk that starts the sequence with no window cut is plain causal attention: no

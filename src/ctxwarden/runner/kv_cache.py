@@ -8,6 +8,11 @@ A block id is a page of the one pool: in group g it holds block_size tokens of e
 of g (one row of each tensor pair). Two groups never hold the same block id at the same
 time (the block manager's job), so groups sharing tensor pairs never overwrite each other.
 Total bytes = num_blocks * layout.page_bytes, exactly the planner's kv_pool_bytes.
+
+MLA (DeepSeek-V2/V3) caches one "head" per token, [latent | rotated rope key]; the value is
+the latent, a prefix of the same row, so `values_share_keys` makes each layer's value tensor
+the key tensor itself (allocated once; attention reads the whole row as the value and the
+model keeps the latent part of the output).
 """
 
 from __future__ import annotations
@@ -72,7 +77,8 @@ class PagedKVCache:
     """K/V tensors for `num_blocks` pages of `layout`, allocated once, touched as used."""
 
     def __init__(self, layout: KVLayout, num_blocks: int, num_kv_heads: int, head_dim: int,
-                 kv_dtype: str = "fp32", device: str | torch.device = "cpu"):
+                 kv_dtype: str = "fp32", device: str | torch.device = "cpu",
+                 values_share_keys: bool = False):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}; give the KV pool "
                              "more memory or lower the block size")
@@ -81,7 +87,9 @@ class PagedKVCache:
         dtype = kv_torch_dtype(kv_dtype)
         shape = (num_blocks, layout.block_size, num_kv_heads, head_dim)
         self.keys = [_lazy_zeros(shape, dtype, device) for _ in range(layout.layers_per_group)]
-        self.values = [_lazy_zeros(shape, dtype, device) for _ in range(layout.layers_per_group)]
+        self.values = (self.keys if values_share_keys else
+                       [_lazy_zeros(shape, dtype, device) for _ in range(layout.layers_per_group)])
+        self.values_share_keys = values_share_keys
         self._slot_of_layer = {layer: (g_index, j)
                                for g_index, g in enumerate(layout.groups)
                                for j, layer in enumerate(g.layer_ids)}
@@ -89,7 +97,13 @@ class PagedKVCache:
     @property
     def nbytes(self) -> int:
         """Bytes of every KV tensor allocated (equals num_blocks * layout.page_bytes)."""
-        return sum(t.nbytes for t in self.keys) + sum(t.nbytes for t in self.values)
+        return sum(t.nbytes for t in self._tensors())
+
+    def _tensors(self) -> list[torch.Tensor]:
+        """Every distinct pool tensor, in page order: per layer slot its keys, then values."""
+        if self.values_share_keys:
+            return list(self.keys)
+        return [t for pair in zip(self.keys, self.values) for t in pair]
 
     def layer(self, layer_id: int) -> LayerKV:
         """The tensor pair and window rules of model layer `layer_id`."""
@@ -102,14 +116,17 @@ class PagedKVCache:
               slot_mapping: torch.Tensor) -> None:
         """Store new tokens' key/value [T, kv_heads, head_dim] at flat slots [T]."""
         flat_k = layer.key.view(-1, *layer.key.shape[2:])
-        flat_v = layer.value.view(-1, *layer.value.shape[2:])
         flat_k.index_copy_(0, slot_mapping, key.to(flat_k.dtype))
+        if layer.value is layer.key:  # MLA: the value is part of the row just written
+            return
+        flat_v = layer.value.view(-1, *layer.value.shape[2:])
         flat_v.index_copy_(0, slot_mapping, value.to(flat_v.dtype))
 
     @property
     def page_shape(self) -> tuple[int, ...]:
-        """The shape of one page as bytes are laid out by `read_pages`: [layers, 2 (K, V), block, heads, dim]."""
-        return (len(self.keys), 2) + tuple(self.keys[0].shape[1:])
+        """The shape of one page as bytes are laid out by `read_pages`: [layers, 2 (K, V), block,
+        heads, dim]; [layers, 1, ...] when values share the keys (MLA)."""
+        return (len(self.keys), 1 if self.values_share_keys else 2) + tuple(self.keys[0].shape[1:])
 
     def read_pages(self, block_ids: Sequence[int]) -> np.ndarray:
         """Copy pages out of the pool as bytes: uint8 [len(block_ids), page bytes].
@@ -119,9 +136,9 @@ class PagedKVCache:
         """
         idx = torch.tensor(list(block_ids), dtype=torch.long)
         out = torch.empty((len(idx),) + self.page_shape, dtype=self.keys[0].dtype)
-        for j, (k, v) in enumerate(zip(self.keys, self.values)):
-            out[:, j, 0] = k.index_select(0, idx)
-            out[:, j, 1] = v.index_select(0, idx)
+        flat = out.view(len(idx), -1, *self.page_shape[2:])  # [n, layers * parts, block, ...]
+        for j, t in enumerate(self._tensors()):
+            flat[:, j] = t.index_select(0, idx)
         return out.view(torch.uint8).reshape(len(idx), -1).numpy()
 
     def write_pages(self, block_ids: Sequence[int], pages: Sequence) -> None:
@@ -131,20 +148,20 @@ class PagedKVCache:
         buf = np.empty((n, page_bytes), dtype=np.uint8)
         for i, page in enumerate(pages):
             buf[i] = np.frombuffer(page, dtype=np.uint8)  # raises if a page has the wrong size
-        data = torch.from_numpy(buf).view(self.keys[0].dtype).view((n,) + self.page_shape)
+        data = torch.from_numpy(buf).view(self.keys[0].dtype).view(n, -1, *self.page_shape[2:])
         idx = torch.tensor(list(block_ids), dtype=torch.long)
-        for j, (k, v) in enumerate(zip(self.keys, self.values)):
-            k.index_copy_(0, idx, data[:, j, 0])
-            v.index_copy_(0, idx, data[:, j, 1])
+        for j, t in enumerate(self._tensors()):
+            t.index_copy_(0, idx, data[:, j])
 
     def read_page(self, block_id: int) -> PageCopy:
         """Copy page `block_id` out of the pool (the page itself is left as it is)."""
-        return PageCopy(tuple(k[block_id].clone() for k in self.keys),
-                        tuple(v[block_id].clone() for v in self.values))
+        values = () if self.values_share_keys else tuple(v[block_id].clone() for v in self.values)
+        return PageCopy(tuple(k[block_id].clone() for k in self.keys), values)
 
     def write_page(self, block_id: int, page: PageCopy) -> None:
         """Overwrite page `block_id` with a copy taken by `read_page`."""
         if len(page.keys) != len(self.keys):
             raise ValueError(f"page copy holds {len(page.keys)} layers, the pool has {len(self.keys)} per page")
-        for dst, src in zip(self.keys + self.values, page.keys + page.values):
+        values = [] if self.values_share_keys else self.values
+        for dst, src in zip(self.keys + values, page.keys + page.values):
             dst[block_id].copy_(src)

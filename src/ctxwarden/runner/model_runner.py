@@ -70,6 +70,14 @@ def bound_primitive_cache() -> None:
     os.environ.setdefault("LRU_CACHE_CAPACITY", str(PRIMITIVE_CACHE_CAPACITY))
 
 
+def _allocate_kv(spec, layout: KVLayout, config: RunnerConfig) -> PagedKVCache:
+    """The pool of `config.num_blocks` pages; MLA caches one row [latent | rope key] per token."""
+    if spec.mla is not None:
+        return PagedKVCache(layout, config.num_blocks, 1, spec.mla.cache_dim, config.kv_dtype,
+                            values_share_keys=True)
+    return PagedKVCache(layout, config.num_blocks, spec.num_kv_heads, spec.head_dim, config.kv_dtype)
+
+
 class ModelRunner:
     """Runs one model over a paged KV cache of `config.num_blocks` pages."""
 
@@ -83,8 +91,7 @@ class ModelRunner:
         self.layout: KVLayout = kv_layout(self.spec, config.kv_dtype, config.block_size,
                                           config.window_tokens, config.sink_tokens)
         self.model = load_model(self.checkpoint, config.dtype, config.weights)
-        self.kv_cache = PagedKVCache(self.layout, config.num_blocks, self.spec.num_kv_heads,
-                                     self.spec.head_dim, config.kv_dtype)
+        self.kv_cache = _allocate_kv(self.spec, self.layout, config)
         self.backend: AttentionBackend = _BACKENDS[config.attention_backend]()
 
     @torch.inference_mode()

@@ -52,6 +52,9 @@ _DEEPSEEK = {  # MLA dims and MoE shape; deepseek_v3 overrides most sizes
     "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
     "v_head_dim": 128, "first_k_dense_replace": 0, "n_routed_experts": 64,
     "n_shared_experts": 2, "moe_intermediate_size": 1407, "num_experts_per_tok": None,
+    # routing (DeepseekV2TopkRouter): softmax scores, greedy or group-limited top-k
+    "routed_scaling_factor": 1.0, "topk_method": "greedy", "n_group": None, "topk_group": None,
+    "norm_topk_prob": False,
 }
 
 _GEMMA3_TEXT = {**_GEMMA2_ON, "vocab_size": 262_208, "max_position_embeddings": 131_072,
@@ -89,7 +92,10 @@ _ROWS: dict[str, dict[str, Any]] = {
                     "num_attention_heads": 128, "num_key_value_heads": 128,
                     "max_position_embeddings": 4096, "first_k_dense_replace": 3,
                     "n_routed_experts": 256, "n_shared_experts": 1,
-                    "moe_intermediate_size": 2048, "num_experts_per_tok": 8},
+                    "moe_intermediate_size": 2048, "num_experts_per_tok": 8,
+                    # V3 routes by sigmoid scores + a correction bias, top-2 sum per group
+                    "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4,
+                    "norm_topk_prob": True, "rope_interleave": True},
 }
 FAMILY_DEFAULTS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
     {family: MappingProxyType(row) for family, row in _ROWS.items()})
@@ -111,7 +117,7 @@ MULTIMODAL_DEFAULTS = MappingProxyType({"gemma3": {"tie_word_embeddings": True}}
 NULLABLE = frozenset({
     "num_key_value_heads", "head_dim", "sliding_window", "q_lora_rank", "rope_scaling",
     "rope_parameters", "attn_logit_softcapping", "final_logit_softcapping",
-    "num_experts_per_tok", "no_rope_layers",
+    "num_experts_per_tok", "no_rope_layers", "n_group", "topk_group",
 })
 
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")

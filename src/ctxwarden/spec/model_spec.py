@@ -74,6 +74,7 @@ class MLAConfig:
     qk_nope_head_dim: int
     v_head_dim: int
     q_lora_rank: int | None
+    rope_interleave: bool = True  # rotary pairs (0, 1), (2, 3) ... as DeepSeek's weights lay them out
 
     @property
     def cache_dim(self) -> int:
@@ -404,6 +405,8 @@ def _mla(r: _Reader) -> MLAConfig:
         qk_nope_head_dim=r.get("qk_nope_head_dim", int),
         v_head_dim=r.get("v_head_dim", int),
         q_lora_rank=r.get("q_lora_rank", int),
+        # V2's class always rotates interleaved pairs; V3's reads the flag (default true)
+        rope_interleave=(r.get("rope_interleave", bool) if r.family == "deepseek_v3" else True),
     )
 
 
@@ -411,9 +414,17 @@ _MOE_KEYS = ("n_routed_experts", "n_shared_experts", "moe_intermediate_size",
              "first_k_dense_replace", "num_experts", "num_experts_per_tok", "moe_layer_freq")
 
 
+# How DeepSeek's routers pick experts (the MLA families only): name -> type
+_ROUTING_KEYS = {"routed_scaling_factor": (int, float), "topk_method": str, "n_group": int,
+                 "topk_group": int, "norm_topk_prob": bool}
+
+
 def _moe(r: _Reader) -> dict[str, Any]:
     """MoE shape: DeepSeek's class defaults, or whatever MoE fields another config writes."""
     values = {k: r.get(k, (int, float), required=False) for k in _MOE_KEYS}
+    if r.family in MLA:
+        values.update({k: r.get(k, t, required=False) for k, t in _ROUTING_KEYS.items()
+                       if not (r.family == "deepseek_v3" and k == "topk_method")})
     return {k: v for k, v in values.items() if v is not None}
 
 

@@ -122,3 +122,17 @@ def test_kv_tier_namespace_includes_the_scaling(base_dir):
     yarn4 = namespace(LLM(str(base_dir), kv_memory="4MiB", rope_scaling={"rope_type": "yarn", "factor": 4}))
     yarn2 = namespace(LLM(str(base_dir), kv_memory="4MiB", rope_scaling={"rope_type": "yarn", "factor": 2}))
     assert len({plain, yarn4, yarn2}) == 3
+
+
+def test_serve_and_generate_take_rope_scaling_and_the_long_flag():
+    from ctxwarden.cli import build_parser
+    from ctxwarden.cli._engine_args import engine_config_from_args
+
+    for command in ("serve", "generate"):
+        extra = ["--prompt", "x"] if command == "generate" else []
+        args = build_parser().parse_args([command, "--rope-scaling", '{"type": "yarn", "factor": 4}',
+                                          "--allow-long-max-model-len", *extra])
+        cfg = engine_config_from_args(args)
+        assert cfg.rope_scaling == {"rope_type": "yarn", "factor": 4} and cfg.allow_long_max_model_len
+    args = build_parser().parse_args(["serve", "--on-overflow", "truncate-middle"])
+    assert args.on_overflow == "truncate-middle"

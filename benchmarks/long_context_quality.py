@@ -90,9 +90,13 @@ def mode_options(mode: str, args, max_len: int) -> dict:
 
 
 def load(args, kv_dtype: str | None = None, **options):
+    """The model in --dtype; with a KV dtype, fp32 activations and the GGUF's own Q4_1 weights
+    (exact fp32 kernels), so that bf16 KV is a real rounding of fp32 K/V (bf16 activations
+    would make an fp32 KV hold bf16 values exactly)."""
     from ctxwarden import LLM
 
-    return LLM(kv_memory="2GiB", dtype=args.dtype, weights=args.dtype, kv_dtype=kv_dtype,
+    dtype, weights = ("fp32", "auto") if kv_dtype else (args.dtype, args.dtype)
+    return LLM(kv_memory="2GiB", dtype=dtype, weights=weights, kv_dtype=kv_dtype,
                enable_prefix_caching=False, max_batched_tokens=4096, **options)
 
 
@@ -112,7 +116,8 @@ def passkey_grid(args, progress, modes, kv_dtype=None) -> list[dict]:
                 prompt = build_passkey_prompt(llm.tokenizer, length, depth, KEY)
                 started = time.perf_counter()
                 score = score_passkey(llm, prompt)
-                rows.append({"mode": mode, "kv_dtype": kv_dtype or args.dtype, "length": length, "depth": depth,
+                rows.append({"mode": mode, "kv_dtype": kv_dtype or args.dtype, "activations": "fp32" if kv_dtype
+                             else args.dtype, "length": length, "depth": depth,
                              "logprob": score.logprob, "is_top1": score.is_top1,
                              "seconds": time.perf_counter() - started})
                 progress.advance(task)
@@ -134,7 +139,7 @@ def perplexity_curves(args, progress) -> dict:
     from ctxwarden.sampling import SamplingParams
 
     curves = {}
-    runs = (("sinks", args.ppl_tokens), ("window-only", args.ppl_tokens), ("full", min(args.ppl_tokens, TRAINED_WINDOW)))
+    runs = (("sinks", args.ppl_tokens), ("window-only", args.ppl_tokens), ("full", min(args.ppl_tokens, TRAINED_WINDOW - 1)))
     task = progress.add_task("perplexity", total=len(runs))
     ids = None
     for mode, num_tokens in runs:
@@ -271,22 +276,45 @@ def machine() -> dict:
 
 
 def run(args) -> dict:
-    result = {"machine": machine(), "args": {k: v for k, v in vars(args).items()}, "key": KEY}
+    """Every section not skipped; each stores its rows, its machine and the flags it ran with."""
+    result = {"key": KEY}
     columns = (*Progress.get_default_columns()[:1], BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    sections = {"passkey": lambda p: passkey_grid(args, p, args.modes),
+                "kv_dtype": lambda p: [r for kv in args.kv_dtypes for r in passkey_grid(args, p, args.kv_modes, kv)],
+                "perplexity": lambda p: perplexity_curves(args, p), "overflow": lambda p: overflow_ab(args, p)}
+    plots = {"passkey": lambda rows: plot_passkey(rows, args.modes, args, RESULTS / "long_context_quality_passkey.png"),
+             "kv_dtype": lambda rows: plot_kv(rows, args, RESULTS / "long_context_quality_kv_dtype.png"),
+             "perplexity": lambda ppl: plot_perplexity(ppl, RESULTS / "long_context_quality_perplexity.png"),
+             "overflow": lambda rows: plot_overflow(rows, RESULTS / "long_context_quality_overflow.png")}
     with Progress(*columns) as progress:
-        if "passkey" not in args.skip:
-            result["passkey"] = passkey_grid(args, progress, args.modes)
-            plot_passkey(result["passkey"], args.modes, args, RESULTS / "long_context_quality_passkey.png")
-        if "kv" not in args.skip:
-            result["kv_dtype"] = [r for kv in args.kv_dtypes for r in passkey_grid(args, progress, args.kv_modes, kv)]
-        if "ppl" not in args.skip:
-            result["perplexity"] = perplexity_curves(args, progress)
-            plot_perplexity(result["perplexity"], RESULTS / "long_context_quality_perplexity.png")
-        if "overflow" not in args.skip:
-            result["overflow"] = overflow_ab(args, progress)
-            plot_overflow(result["overflow"], RESULTS / "long_context_quality_overflow.png")
-    result["machine"]["load_avg_end"] = os.getloadavg()
+        for name, measure in sections.items():
+            if {"kv_dtype": "kv", "perplexity": "ppl"}.get(name, name) in args.skip:
+                continue
+            started = machine()
+            result[name] = measure(progress)
+            plots[name](result[name])
+            result[f"{name}_run"] = {"machine": dict(started, load_avg_end=os.getloadavg()), "args": vars(args)}
     return result
+
+
+def plot_kv(rows: list[dict], args, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.2))
+    labels = [f"{r['mode']} {r['length'] // 1024}K @{r['depth']:.0%}" for r in rows if r["kv_dtype"] == args.kv_dtypes[0]]
+    width = 0.8 / len(args.kv_dtypes)
+    for k, kv in enumerate(args.kv_dtypes):
+        ys = [r["logprob"] for r in rows if r["kv_dtype"] == kv]
+        ax.bar([i + k * width for i in range(len(ys))], ys, width, label=f"KV {kv}")
+    ax.set_xticks([i + width / 2 for i in range(len(labels))], labels, rotation=30, fontsize=7, ha="right")
+    ax.set_ylabel("log p(key)")
+    ax.set_title("Passkey by KV dtype (fp32 activations, Q4_1 weights)")
+    ax.legend()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
 
 
 def main() -> None:

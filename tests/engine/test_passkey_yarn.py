@@ -12,6 +12,8 @@ The test asks YaRN to win by at least MARGIN_NATS = 4 nats (a factor of e^4 ~ 55
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from ctxwarden import LLM
@@ -32,9 +34,12 @@ def _score(**options):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("CTXWARDEN_LONG_TESTS"),
+                    reason="two 12,000-token SmolLM2 prefills: over 10 min on the shared 2-core machine "
+                           "(over make test's budget); run with CTXWARDEN_LONG_TESTS=1")
 def test_yarn_x4_reads_the_pass_key_at_12k_that_unscaled_loses():
     yarn = _score(rope_scaling={"rope_type": "yarn", "factor": 4})
-    unscaled = _score(max_model_len=NUM_TOKENS, allow_long_max_model_len=True)
+    unscaled = _score(max_model_len=NUM_TOKENS + 16, allow_long_max_model_len=True)
     print(f"\npass key log p at {NUM_TOKENS} tokens: yarn x4 {yarn.logprob:.2f} (top-1 {yarn.is_top1}), "
           f"unscaled {unscaled.logprob:.2f} (top-1 {unscaled.is_top1})")
     assert yarn.logprob - unscaled.logprob >= MARGIN_NATS

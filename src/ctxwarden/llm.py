@@ -53,7 +53,8 @@ class LLM:
 
         `engine_options` are EngineConfig's fields (block_size, dtype, kv_dtype,
         max_num_seqs, max_batched_tokens, max_model_len, enable_prefix_caching,
-        kv_tiers='ram:4GiB,redis://127.0.0.1:6379', ...);
+        kv_tiers='ram:4GiB,redis://127.0.0.1:6379', rope_scaling={"rope_type": "yarn", "factor": 4}
+        (the window becomes trained x factor), sink_tokens=4 with window_tokens=1020 (streaming) ...);
         `kv_memory` and `swap_space` may be strings with units ('2GiB'). Defaults are
         EngineConfig's.
         """

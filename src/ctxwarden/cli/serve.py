@@ -15,7 +15,7 @@ import time
 
 HELP = "Serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /metrics)."
 
-_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"
+_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s trace=%(trace_id)s] %(message)s"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="allow a non-loopback --host without --api-keys")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="413 past this request size")
     p.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to let requests finish on SIGTERM")
+    p.add_argument("--request-log", default=None, metavar="FILE",
+                   help="append one JSONL line per finished request (ids, tenant, token counts, TTFT, TPOT, "
+                   "status; never text) for `ctxwarden diag lengths|slo-risk`")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_arguments(p, max_waiting=SERVER_MAX_WAITING, max_queue_delay_s=SERVER_MAX_QUEUE_DELAY_S)
 
@@ -46,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     _check_exposure(args)
     config = ServerConfig(engine=engine_config_from_args(args), fallback_model=args.fallback_model,
                           served_model_name=args.served_model_name, api_keys=args.api_keys,
-                          max_body_bytes=args.max_body_bytes, drain_timeout_s=args.drain_timeout)
+                          max_body_bytes=args.max_body_bytes, drain_timeout_s=args.drain_timeout,
+                          request_log=args.request_log)
     _configure_logging(args.log_level, RequestIdLogFilter())
     app = create_app(config)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_config=None,

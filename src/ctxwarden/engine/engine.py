@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 from ctxwarden.engine.config import EngineConfig
+from ctxwarden.engine.holders import KVHolders, kv_holders
 from ctxwarden.engine.outputs import OutputProcessor, output_of
 from ctxwarden.engine.swap import HostSwapSpace
 from ctxwarden.engine.tiers import TierMover, calibrate_prefill, open_tiers, tier_namespace
@@ -90,6 +91,7 @@ class Engine:
         self._counters = {"steps": 0, "prompt": 0}
         self._last_tokens_per_s = 0.0
         self._last_audit: AuditReport | None = None
+        self.last_work = None  # the last step's SchedulerOutput (read by the server's event ring)
 
     # --- setup ------------------------------------------------------------------------------
 
@@ -197,7 +199,7 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """Schedule, run, sample, emit. Returns this step's outputs (and any abort notices)."""
         started = time.perf_counter()
-        work = self.scheduler.schedule()
+        work = self.last_work = self.scheduler.schedule()
         if self.mover is not None:
             self.mover.before_forward(work)  # spill reads come before the swap-in writes
         self.swap.move(work)
@@ -270,6 +272,10 @@ class Engine:
             last_step_tokens_per_s=self._last_tokens_per_s, kv=sched.kv,
             leaked_blocks=_leaked_blocks(audit), audit_findings=tuple(audit.findings) if audit else (),
             tiers=sched.tiers)
+
+    def kv_holders(self) -> KVHolders:
+        """Who holds KV blocks now (ctxwarden.engine.holders); between steps only."""
+        return kv_holders(self)
 
     def audit(self) -> AuditReport:
         """Recount the KV pool now: every invariant, and blocks owned by no running request."""

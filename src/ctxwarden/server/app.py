@@ -16,20 +16,26 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import Response
 
+from ctxwarden.diagnostics.cgroup import DEFAULT_CGROUP_ROOT
 from ctxwarden.engine.config import SERVER_MAX_QUEUE_DELAY_S, SERVER_MAX_WAITING, EngineConfig
 from ctxwarden.errors import ContextLengthExceeded, TenantLimitExceeded
 from ctxwarden.server import errors
 from ctxwarden.server.async_engine import AsyncEngine
 from ctxwarden.server.calls import Call, EventStreamResponse
+from ctxwarden.server.debug import add_debug_routes
 from ctxwarden.server.errors import APIError, unavailable
 from ctxwarden.server.generation import Generation, Job, submit
 from ctxwarden.server.metrics import ServerMetrics
-from ctxwarden.server.middleware import RequestContextMiddleware, RequestIdLogFilter, request_id_var
+from ctxwarden.server.middleware import (RequestContextMiddleware, RequestIdLogFilter, request_id_var,
+                                         trace_id_var)
+from ctxwarden.server.events import EventRing
+from ctxwarden.server.owners import RequestTags
+from ctxwarden.server.request_log import RequestLogWriter, record_of
 from ctxwarden.server.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                                        CompletionRequest, CompletionResponse, ErrorResponse,
                                        ModelCard, ModelList)
@@ -41,7 +47,8 @@ __all__ = ["ServerConfig", "ServerState", "create_app", "build_engines", "Reques
 _ERRORS = {s: {"model": ErrorResponse} for s in (400, 401, 404, 413, 429, 500, 503)}
 
 
-_SERVER_FIELDS = ("fallback_model", "served_model_name", "api_keys", "max_body_bytes", "drain_timeout_s")
+_SERVER_FIELDS = ("fallback_model", "served_model_name", "api_keys", "max_body_bytes", "drain_timeout_s",
+                  "cgroup_root", "request_log")
 
 
 def _server_engine_config() -> EngineConfig:
@@ -58,6 +65,8 @@ class ServerConfig:
     api_keys: str | None = None  # path of the key file
     max_body_bytes: int = 4 * 1024 * 1024
     drain_timeout_s: float = 60.0
+    cgroup_root: str = DEFAULT_CGROUP_ROOT  # where /debug/memory reads the memory cgroup
+    request_log: str | None = None  # append one JSONL line per finished request (no text)
 
     def __post_init__(self):
         if self.max_body_bytes < 1:
@@ -91,6 +100,7 @@ class ServerState:
     engines: list[AsyncEngine] = field(default_factory=list)  # primary first, then the fallback
     in_flight: int = 0
     failure: str | None = None  # why the phase is "failed": a load error or a dead engine
+    events: EventRing = field(default_factory=EventRing)  # every engine records here too
 
     def check_ready(self) -> None:
         """Raise 503 + Retry-After unless new requests are accepted now."""
@@ -151,6 +161,8 @@ async def _load(state: ServerState, config: ServerConfig) -> None:
         log.exception("loading the model failed")
         state.fail(f"the model failed to load: {type(e).__name__}: {e}")
         return
+    for e in state.engines:
+        e.events = state.events
     state.phase = "ready" if state.phase == "loading" else state.phase
     log.info("serving %s", ", ".join(f"{e.name} (window {e.max_model_len})" for e in state.engines))
 
@@ -161,8 +173,10 @@ def create_app(config: ServerConfig, engines: list[AsyncEngine] | None = None) -
     tenants = TenantDirectory.load(config.api_keys) if config.api_keys else TenantDirectory.open()
     metrics = ServerMetrics()
     limiter = TokenRateLimiter()
+    request_log = RequestLogWriter(config.request_log) if config.request_log else None
     for e in state.engines:  # engines built by the caller report their failure here too
         e.on_failure = e.on_failure or (lambda message: state.fail(f"the engine failed: {message}"))
+        e.events = state.events
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -172,6 +186,8 @@ def create_app(config: ServerConfig, engines: list[AsyncEngine] | None = None) -
             loader.cancel()
         for e in state.engines:
             await asyncio.to_thread(e.stop)
+        if request_log is not None:
+            request_log.close()
 
     app = FastAPI(title="ctxwarden", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible API over the ctxwarden paged-KV engine.")
@@ -200,8 +216,8 @@ def create_app(config: ServerConfig, engines: list[AsyncEngine] | None = None) -
 
     app.state.admin_of = admin_of  # for the diagnostics routes
     _add_info_routes(app, state, metrics, tenant_of)
-    _add_debug_routes(app, state, admin_of)
-    _add_completion_routes(app, _Serving(state, metrics, limiter), tenant_of)
+    add_debug_routes(app, state, admin_of, config.cgroup_root)
+    _add_completion_routes(app, _Serving(state, metrics, limiter, request_log), tenant_of)
     return app
 
 
@@ -219,18 +235,13 @@ def _add_info_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics, t
         return ModelList(data=[ModelCard(id=e.name, context_window=e.max_model_len) for e in state.engines])
 
     @app.get("/metrics", response_class=Response)
-    async def prometheus() -> Response:
-        """Prometheus text, from the snapshot each engine publishes (never waits on a step)."""
+    async def prometheus(accept: str | None = Header(default=None)) -> Response:
+        """Prometheus text, from the snapshot each engine publishes (never waits on a step);
+        OpenMetrics (with exemplars: request and trace ids on the latency histograms) when
+        the scraper's Accept header asks for application/openmetrics-text."""
         snapshots = {e.name: e.stats for e in state.engines}
-        return Response(metrics.render(snapshots), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-
-def _add_debug_routes(app: FastAPI, state: ServerState, admin_of) -> None:
-    @app.get("/debug/engines", responses={403: {"model": ErrorResponse}})
-    async def debug_engines(tenant: Tenant = Depends(admin_of)) -> dict:
-        """Every engine's latest published stats, whole (admin only)."""
-        return {"phase": state.phase, "failure": state.failure,
-                "engines": {e.name: {"failure": e.failure, "stats": asdict(e.stats)} for e in state.engines}}
+        body, media_type = metrics.render_negotiated(snapshots, accept)
+        return Response(body, media_type=media_type)
 
 
 def _is_loopback(host: str) -> bool:
@@ -288,38 +299,47 @@ class _Serving:
     state: ServerState
     metrics: ServerMetrics
     limiter: TokenRateLimiter
+    request_log: RequestLogWriter | None = None
 
     async def serve(self, job: Job, body, tenant: Tenant, prefix: str, receive):
         """Admit, submit and answer one completion request (JSON or a stream)."""
+        tags = RequestTags(request_id_var.get(), tenant.name, trace_id_var.get())
+        self.state.events.record_tags("arrival", tags, body.model, {"stream": bool(body.stream), "n": job.n})
         try:
             self.state.check_ready()
             self.state.in_flight += 1
         except APIError as e:
-            self.metrics.count_request(e.status)
+            self._refused(tags, e.status, e)
             raise
         try:
             api_id = f"{prefix}-{uuid.uuid4().hex}"
-            gen = await self._start(job, body.model, tenant, api_id)
+            gen = await self._start(job, body.model, tenant, api_id, tags)
         except BaseException as e:
             self.state.in_flight -= 1
-            self.metrics.count_request(e.status if isinstance(e, APIError) else 499)
+            self._refused(tags, e.status if isinstance(e, APIError) else 499, e)
             raise
         log.info("%s: %d choice(s) on %s, tenant %s, %d prompt tokens", api_id, len(gen.choices),
                  gen.engine.name, tenant.name, gen.max_prompt_tokens)
         call = Call(self.metrics, gen, api_id, int(time.time()), job, body,
-                    on_settle=lambda c: self._settled(c, tenant))
+                    on_settle=lambda c: self._settled(c, tenant), tags=tags)
         if body.stream:
             return EventStreamResponse(call.events(), media_type="text/event-stream", headers=call.headers(),
                                        on_close=call.settle)
         return await call.collect(receive)
 
-    async def _start(self, job: Job, model: str, tenant: Tenant, api_id: str) -> Generation:
+    def _refused(self, tags: RequestTags, status: int, error: BaseException) -> None:
+        self.metrics.count_request(status)
+        kind = "abort" if status == 499 else "refuse"
+        self.state.events.record_tags(kind, tags, None, {"status": status, "code": getattr(error, "code", None),
+                                                         "message": str(getattr(error, "message", error))[:300]})
+
+    async def _start(self, job: Job, model: str, tenant: Tenant, api_id: str, tags: RequestTags) -> Generation:
         """Submit on the requested model (an over-window prompt moves on to the fallback),
         then book its tokens against the tenant's tokens per minute."""
         candidates = self.state.route(model)
         for k, engine in enumerate(candidates):
             try:
-                gen = await submit(engine, job, api_id, tenant.namespace, tenant.share)
+                gen = await submit(engine, job, api_id, tenant.namespace, tenant.share, tags)
                 return self._book(gen, tenant, job)
             except ContextLengthExceeded as e:
                 if k == len(candidates) - 1:
@@ -343,3 +363,5 @@ class _Serving:
     def _settled(self, call: Call, tenant: Tenant) -> None:
         self.limiter.refund(tenant, call.gen.num_booked_tokens - call.gen.num_used_tokens)
         self.state.in_flight -= 1
+        if self.request_log is not None:
+            self.request_log.write(record_of(call.gen, call.tags.request_id, tenant.name, call.status))

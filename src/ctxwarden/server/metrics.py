@@ -8,12 +8,14 @@ outcomes and latencies are counted by the server as they happen.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from ctxwarden.kv.tiers.breaker import STATE_VALUES
 from ctxwarden.kv.tiers.stats import DECISIONS, FETCH_BUCKETS_S
 from ctxwarden.kv.tiers.value import INTEGRITY_REASONS
 
+EXEMPLAR_ID_CHARS = 64  # + "request_id" + "trace_id" + a 32-hex trace id stays under 128
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 _GAUGES = (  # name, help, stats -> value
@@ -150,3 +152,21 @@ class ServerMetrics:
         """Prometheus text for the given per-model EngineStats snapshots."""
         self._engines.snapshots = snapshots
         return generate_latest(self.registry)
+
+    def render_negotiated(self, snapshots: dict[str, object], accept: str | None) -> tuple[bytes, str]:
+        """(body, content type): OpenMetrics if `accept` asks for it, else Prometheus text."""
+        if accept and "application/openmetrics-text" in accept:
+            self._engines.snapshots = snapshots
+            return openmetrics.generate_latest(self.registry), openmetrics.CONTENT_TYPE_LATEST
+        return self.render(snapshots), "text/plain; version=0.0.4; charset=utf-8"
+
+    @staticmethod
+    def exemplar(tags) -> dict[str, str] | None:
+        """Exemplar labels of a request: its id (cut to fit) and trace id (OpenMetrics
+        allows 128 characters of exemplar labels in all)."""
+        if tags is None:
+            return None
+        out = {"request_id": tags.request_id[:EXEMPLAR_ID_CHARS]}
+        if tags.trace_id:
+            out["trace_id"] = tags.trace_id
+        return out

@@ -1,0 +1,61 @@
+"""The /debug endpoints (admin key; loopback only without a key file): engines, events, memory.
+
+`/debug/memory` answers the snapshot JSON of `ctxwarden diag mem snapshot --json`
+(docs/diagnostics.md): this process and its cgroup, read now (off the event loop), and each
+engine's KV pool and owners as its engine thread last published them (never computed here:
+a step may be running). Owner ages are brought forward to the time of the answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import asdict, replace
+
+from fastapi import Depends, FastAPI
+
+from ctxwarden.diagnostics.cgroup import lookup_cgroup
+from ctxwarden.diagnostics.process_memory import read_process_memory
+from ctxwarden.diagnostics.snapshot import MemorySnapshot
+from ctxwarden.server.protocol import ErrorResponse
+
+
+def add_debug_routes(app: FastAPI, state, admin_of, cgroup_root: str) -> None:
+    """GET /debug/engines, /debug/events and /debug/memory."""
+    @app.get("/debug/engines", responses={403: {"model": ErrorResponse}})
+    async def debug_engines(tenant=Depends(admin_of)) -> dict:
+        """Every engine's latest published stats, whole (admin only)."""
+        return {"phase": state.phase, "failure": state.failure,
+                "engines": {e.name: {"failure": e.failure, "stats": asdict(e.stats)} for e in state.engines}}
+
+    @app.get("/debug/events", responses={403: {"model": ErrorResponse}})
+    async def debug_events(since_s: float | None = None, request_id: str | None = None,
+                           tenant=Depends(admin_of)) -> dict:
+        """The event ring (oldest first): the last `since_s` seconds, one request's only (admin only)."""
+        now = time.time()
+        since = None if since_s is None else now - since_s
+        return {"time": now, "capacity": state.events.capacity,
+                "events": state.events.events(since=since, request_id=request_id)}
+
+    @app.get("/debug/memory", responses={403: {"model": ErrorResponse}})
+    async def debug_memory(tenant=Depends(admin_of)) -> dict:
+        """Process, cgroup, KV pool and KV owners (admin only)."""
+        return await asyncio.to_thread(server_snapshot, state.engines, cgroup_root)
+
+
+def server_snapshot(engines, cgroup_root: str) -> dict:
+    """The server's memory snapshot as JSON: `kv` is the primary model's pool, `owners`
+    every model's, `engines` each model's pool by name."""
+    process = read_process_memory()
+    found = lookup_cgroup(process.pid, cgroup_root)
+    now = time.time()
+    views = [(e.name, e.memory) for e in engines]
+    owners = tuple(replace(o, age_s=o.age_s + max(0.0, now - v.time)) for _, v in views for o in v.owners)
+    notes = [found.reason] if found.reason else []
+    if not views:
+        notes.append("kv and owners: no engine is loaded yet")
+    snap = MemorySnapshot(now, process, found.memory, views[0][1].kv if views else None, owners, tuple(notes))
+    out = snap.to_dict()
+    out["engines"] = {name: {"published": v.time, "kv": v.kv.to_dict(), "p99_latency_s": e.book.p99_latency_s}
+                      for (name, v), e in zip(views, engines)}
+    return out

@@ -33,9 +33,11 @@ from ctxwarden.server.generation import Generation, Job, submit
 from ctxwarden.server.metrics import ServerMetrics
 from ctxwarden.server.middleware import (RequestContextMiddleware, RequestIdLogFilter, request_id_var,
                                          trace_id_var)
+from ctxwarden.server.crash import CrashRecorder
 from ctxwarden.server.events import EventRing
 from ctxwarden.server.owners import RequestTags
 from ctxwarden.server.request_log import RequestLogWriter, record_of
+from ctxwarden.server.sampler import MemorySampler
 from ctxwarden.server.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                                        CompletionRequest, CompletionResponse, ErrorResponse,
                                        ModelCard, ModelList)
@@ -48,7 +50,8 @@ _ERRORS = {s: {"model": ErrorResponse} for s in (400, 401, 404, 413, 429, 500, 5
 
 
 _SERVER_FIELDS = ("fallback_model", "served_model_name", "api_keys", "max_body_bytes", "drain_timeout_s",
-                  "cgroup_root", "request_log")
+                  "cgroup_root", "request_log", "crash_dir", "crash_window_s", "debug_dump_prompts",
+                  "memory_sample_interval_s")
 
 
 def _server_engine_config() -> EngineConfig:
@@ -67,12 +70,19 @@ class ServerConfig:
     drain_timeout_s: float = 60.0
     cgroup_root: str = DEFAULT_CGROUP_ROOT  # where /debug/memory reads the memory cgroup
     request_log: str | None = None  # append one JSONL line per finished request (no text)
+    crash_dir: str | None = None  # the first 5xx / engine failure writes a crash bundle here
+    crash_window_s: float = 600.0  # the events and samples a bundle keeps
+    debug_dump_prompts: bool = False  # crash bundles include the failing request's prompts
+    memory_sample_interval_s: float = 1.0  # the timeline's memory samples (0: none)
 
     def __post_init__(self):
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if self.memory_sample_interval_s < 0 or self.crash_window_s <= 0:
+            raise ValueError(f"memory_sample_interval_s must be >= 0 and crash_window_s > 0, got "
+                             f"{self.memory_sample_interval_s} and {self.crash_window_s}")
 
     @classmethod
     def build(cls, **options) -> "ServerConfig":
@@ -101,6 +111,7 @@ class ServerState:
     in_flight: int = 0
     failure: str | None = None  # why the phase is "failed": a load error or a dead engine
     events: EventRing = field(default_factory=EventRing)  # every engine records here too
+    on_fail: object = None  # called with the reason when the server fails (the crash bundle)
 
     def check_ready(self) -> None:
         """Raise 503 + Retry-After unless new requests are accepted now."""
@@ -114,6 +125,8 @@ class ServerState:
     def fail(self, reason: str) -> None:
         """Nothing more can be served (/health 503); the process should exit non-zero."""
         self.failure, self.phase = reason, "failed"
+        if self.on_fail is not None:
+            self.on_fail(reason)
 
     def begin_drain(self) -> None:
         """Refuse new requests from now on (503); running ones continue."""
@@ -174,6 +187,11 @@ def create_app(config: ServerConfig, engines: list[AsyncEngine] | None = None) -
     metrics = ServerMetrics()
     limiter = TokenRateLimiter()
     request_log = RequestLogWriter(config.request_log) if config.request_log else None
+    sampler = MemorySampler(lambda: state.engines, config.cgroup_root, config.memory_sample_interval_s) \
+        if config.memory_sample_interval_s else None
+    crash = CrashRecorder(config.crash_dir, state, sampler, config.cgroup_root, config.crash_window_s,
+                          config.debug_dump_prompts) if config.crash_dir else None
+    state.on_fail = crash.on_engine_failure if crash else None
     for e in state.engines:  # engines built by the caller report their failure here too
         e.on_failure = e.on_failure or (lambda message: state.fail(f"the engine failed: {message}"))
         e.events = state.events
@@ -181,7 +199,11 @@ def create_app(config: ServerConfig, engines: list[AsyncEngine] | None = None) -
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         loader = None if engines else asyncio.create_task(_load(state, config))
+        if sampler is not None:
+            sampler.start()
         yield
+        if sampler is not None:
+            sampler.stop()
         if loader is not None and not loader.done():
             loader.cancel()
         for e in state.engines:
@@ -216,8 +238,9 @@ def create_app(config: ServerConfig, engines: list[AsyncEngine] | None = None) -
 
     app.state.admin_of = admin_of  # for the diagnostics routes
     _add_info_routes(app, state, metrics, tenant_of)
-    add_debug_routes(app, state, admin_of, config.cgroup_root)
-    _add_completion_routes(app, _Serving(state, metrics, limiter, request_log), tenant_of)
+    app.state.sampler = sampler
+    add_debug_routes(app, state, admin_of, config.cgroup_root, sampler)
+    _add_completion_routes(app, _Serving(state, metrics, limiter, request_log, crash), tenant_of)
     return app
 
 
@@ -300,6 +323,7 @@ class _Serving:
     metrics: ServerMetrics
     limiter: TokenRateLimiter
     request_log: RequestLogWriter | None = None
+    crash: CrashRecorder | None = None
 
     async def serve(self, job: Job, body, tenant: Tenant, prefix: str, receive):
         """Admit, submit and answer one completion request (JSON or a stream)."""
@@ -365,3 +389,5 @@ class _Serving:
         self.state.in_flight -= 1
         if self.request_log is not None:
             self.request_log.write(record_of(call.gen, call.tags.request_id, tenant.name, call.status))
+        if self.crash is not None and call.status >= 500:
+            self.crash.on_5xx(call)

@@ -20,7 +20,7 @@ from ctxwarden.diagnostics.snapshot import MemorySnapshot
 from ctxwarden.server.protocol import ErrorResponse
 
 
-def add_debug_routes(app: FastAPI, state, admin_of, cgroup_root: str) -> None:
+def add_debug_routes(app: FastAPI, state, admin_of, cgroup_root: str, sampler=None) -> None:
     """GET /debug/engines, /debug/events and /debug/memory."""
     @app.get("/debug/engines", responses={403: {"model": ErrorResponse}})
     async def debug_engines(tenant=Depends(admin_of)) -> dict:
@@ -31,11 +31,14 @@ def add_debug_routes(app: FastAPI, state, admin_of, cgroup_root: str) -> None:
     @app.get("/debug/events", responses={403: {"model": ErrorResponse}})
     async def debug_events(since_s: float | None = None, request_id: str | None = None,
                            tenant=Depends(admin_of)) -> dict:
-        """The event ring (oldest first): the last `since_s` seconds, one request's only (admin only)."""
+        """The event ring and the memory samples (oldest first): the last `since_s` seconds;
+        one request's events only with `request_id` (admin only)."""
         now = time.time()
         since = None if since_s is None else now - since_s
-        return {"time": now, "capacity": state.events.capacity,
-                "events": state.events.events(since=since, request_id=request_id)}
+        events = await asyncio.to_thread(state.events.events, since, request_id)
+        samples = sampler.samples(since) if sampler is not None else []
+        return {"time": now, "capacity": state.events.capacity, "events": events,
+                "sample_interval_s": sampler.interval_s if sampler is not None else None, "samples": samples}
 
     @app.get("/debug/memory", responses={403: {"model": ErrorResponse}})
     async def debug_memory(tenant=Depends(admin_of)) -> dict:

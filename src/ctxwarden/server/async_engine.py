@@ -221,12 +221,13 @@ class AsyncEngine:
         if self.events is not None:
             self._record_work(getattr(self.engine, "last_work", None))
         for out in outputs:
+            if out.finished:  # recorded before the client can hear of it (a crash bundle reads it)
+                self._record_end(out)
             sink = self._sinks.get(out.request_id)
             if sink is not None:
                 sink(out)
             if out.finished:
                 self._sinks.pop(out.request_id, None)
-                self._record_end(out)
         self.engine.release_finished()
 
     # --- events (engine thread) ---------------------------------------------------------------
@@ -296,8 +297,8 @@ class AsyncEngine:
             except Exception:  # noqa: BLE001 - keep ending the others
                 log.exception("abort of %s failed", request_id)
             out = StepOutput(request_id, (), "", True, reason, 0, 0, 0, error=error)
-            sink(out)
             self._record_end(out)
+            sink(out)
         self._sinks.clear()
         if not flush:
             return

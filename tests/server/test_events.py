@@ -8,6 +8,7 @@ OpenMetrics; the server's request log is read by `diag lengths` / `slo-risk` as 
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -80,8 +81,10 @@ def test_latency_histograms_carry_request_ids_as_exemplars(logged_server):
 def test_the_request_log_feeds_diag_lengths_and_slo_risk(logged_server, capsys):
     from ctxwarden.cli import main
 
-    for i in range(20):
-        assert _complete(logged_server, [1 + (i * 13 + j) % 500 for j in range(5 + 3 * i)], 3, f"log-{i}").status_code == 200
+    with ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(lambda i: _complete(logged_server, [1 + (i * 13 + j) % 500 for j in range(5 + 3 * i)],
+                                                    3, f"log-{i}"), range(20)))
+    assert [r.status_code for r in replies] == [200] * 20
     records = {r.request_id: r for r in read_request_log(logged_server.request_log)}
     for i in range(20):
         rec = records[f"log-{i}"]

@@ -131,6 +131,9 @@ def test_planted_leak_is_named_with_request_tenant_and_age(debug_server):
         assert grown["process.leak_basis_bytes"] >= 60 * MiB, grown
         assert grown["kv.num_blocks_in_use"] == 8
         assert "leaky-1" in [o["request_id"] for o in diff.owners_new]
+        assert debug_server.metric("ctxwarden_kv_owner_blocks", risk="HIGH") == 8
+        assert debug_server.metric("ctxwarden_process_leak_basis_bytes") >= before["process"]["leak_basis_bytes"] \
+            + 60 * MiB  # the 1 Hz sample behind the gauge: wait for one
         high = [f for f in server_findings(after) if f.severity == "high"]
         assert len(high) == 1 and "leaky-1 (tenant alpha, 8 blocks" in high[0].evidence
     finally:

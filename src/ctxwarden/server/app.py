@@ -237,8 +237,8 @@ def create_app(config: ServerConfig, engines: list[AsyncEngine] | None = None) -
         return tenant
 
     app.state.admin_of = admin_of  # for the diagnostics routes
-    _add_info_routes(app, state, metrics, tenant_of)
     app.state.sampler = sampler
+    _add_info_routes(app, state, metrics, tenant_of)
     add_debug_routes(app, state, admin_of, config.cgroup_root, sampler)
     _add_completion_routes(app, _Serving(state, metrics, limiter, request_log, crash), tenant_of)
     return app
@@ -263,7 +263,9 @@ def _add_info_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics, t
         OpenMetrics (with exemplars: request and trace ids on the latency histograms) when
         the scraper's Accept header asks for application/openmetrics-text."""
         snapshots = {e.name: e.stats for e in state.engines}
-        body, media_type = metrics.render_negotiated(snapshots, accept)
+        sampler = app.state.sampler
+        body, media_type = metrics.render_negotiated(snapshots, accept, {e.name: e.memory for e in state.engines},
+                                                     sampler.latest() if sampler is not None else None)
         return Response(body, media_type=media_type)
 
 

@@ -125,6 +125,41 @@ class _EngineCollector:
         return []  # collected lazily: the snapshot is set just before each scrape
 
 
+class _DiagnosticsCollector:
+    """KV blocks by owner risk (from each engine's published MemoryView) and this process's
+    memory (from the sampler's latest sample): nothing is read or computed at scrape time."""
+
+    RISKS = ("OK", "HIGH", "CRITICAL")
+
+    def __init__(self):
+        self.views: dict[str, object] = {}  # model -> server.owners.MemoryView
+        self.sample: dict | None = None
+
+    def collect(self):
+        owners = GaugeMetricFamily("ctxwarden_kv_owner_blocks", "KV blocks by owner risk: OK (live or just "
+                                   "finished), HIGH (finished > 2x p99 latency ago), CRITICAL (no owner).",
+                                   labels=["model", "risk"])
+        for model, view in self.views.items():
+            for risk in self.RISKS:
+                owners.add_metric([model, risk], float(sum(o.blocks for o in view.owners if o.risk == risk)))
+        yield owners
+        for key, help_text in (("leak_basis_bytes", "RssAnon + VmSwap of the server process (last 1 Hz sample)."),
+                               ("rss_anon_bytes", "RssAnon of the server process (last sample)."),
+                               ("swap_bytes", "VmSwap of the server process (last sample).")):
+            family = GaugeMetricFamily(f"ctxwarden_process_{key}", help_text)
+            if self.sample is not None:
+                family.add_metric([], float(self.sample[key]))
+            yield family
+        kills = GaugeMetricFamily("ctxwarden_cgroup_oom_kills", "OOM kills the memory cgroup has recorded "
+                                  "(memory.events oom_kill; absent without a memory cgroup).")
+        if self.sample is not None and self.sample.get("oom_kill") is not None:
+            kills.add_metric([], float(self.sample["oom_kill"]))
+        yield kills
+
+    def describe(self):
+        return []
+
+
 class ServerMetrics:
     """The app's registry: engine snapshots plus request counters and latency histograms."""
 
@@ -132,6 +167,8 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self._engines = _EngineCollector()
         self.registry.register(self._engines)
+        self._diagnostics = _DiagnosticsCollector()
+        self.registry.register(self._diagnostics)
         self.requests = Counter("ctxwarden_requests", "Completion requests by final HTTP status "
                                 "(499: the client went away).", ["status"], registry=self.registry)
         self.abandoned = Counter("ctxwarden_requests_abandoned", "Non-streaming requests whose client "
@@ -153,8 +190,12 @@ class ServerMetrics:
         self._engines.snapshots = snapshots
         return generate_latest(self.registry)
 
-    def render_negotiated(self, snapshots: dict[str, object], accept: str | None) -> tuple[bytes, str]:
-        """(body, content type): OpenMetrics if `accept` asks for it, else Prometheus text."""
+    def render_negotiated(self, snapshots: dict[str, object], accept: str | None, views: dict | None = None,
+                          sample: dict | None = None) -> tuple[bytes, str]:
+        """(body, content type): OpenMetrics if `accept` asks for it, else Prometheus text.
+        `views` (model -> MemoryView) and `sample` (the latest memory sample) feed the
+        owner-risk and process-memory gauges."""
+        self._diagnostics.views, self._diagnostics.sample = views or {}, sample
         if accept and "application/openmetrics-text" in accept:
             self._engines.snapshots = snapshots
             return openmetrics.generate_latest(self.registry), openmetrics.CONTENT_TYPE_LATEST

@@ -66,6 +66,13 @@ class MemorySampler:
         self._ring.append(sample)
         return sample
 
+    def latest(self) -> dict | None:
+        """The newest sample, None before the first."""
+        try:
+            return self._ring[-1]
+        except IndexError:
+            return None
+
     def samples(self, since: float | None = None) -> list[dict]:
         """Samples at or after `since` (unix s), oldest first."""
         return [s for s in list(self._ring) if since is None or s["time"] >= since]

@@ -31,7 +31,6 @@ import json
 import os
 import platform
 import random
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -177,11 +176,20 @@ async def one(client: httpx.AsyncClient, model: str, key: str, tenant: str, prom
                 out.tpot_s = (last - first) / (out.output_tokens - 1)
 
 
-async def sampler(state: Replay, pid: int | None, t0: float, stop: asyncio.Event) -> None:
-    while not stop.is_set():
-        done = sum(o.status == 200 for o in state.outcomes if o.total_s is not None)
-        state.samples.append(Sample(time.monotonic() - t0, rss_anon_mb(pid), state.in_flight, done))
-        await asyncio.sleep(1.0)
+async def sampler(state: Replay, pid: int | None, t0: float, stop: asyncio.Event, duration_s: float) -> None:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("replay"), BarColumn(), TimeElapsedColumn(), TextColumn("{task.fields[info]}"))
+    with Progress(*columns, transient=False) as bar:
+        task = bar.add_task("replay", total=duration_s, info="")
+        while not stop.is_set():
+            done = sum(o.status == 200 for o in state.outcomes if o.total_s is not None)
+            sample = Sample(time.monotonic() - t0, rss_anon_mb(pid), state.in_flight, done)
+            state.samples.append(sample)
+            rss = f"{sample.rss_anon_mb:.0f} MB" if sample.rss_anon_mb is not None else "n/a"
+            bar.update(task, completed=min(duration_s, sample.t_s),
+                       info=f"sent {len(state.outcomes)}, done {done}, in flight {state.in_flight}, RssAnon {rss}")
+            await asyncio.sleep(1.0)
 
 
 async def replay(url: str, model: str, keys: list[tuple[str, str]], weights: list[float],
@@ -191,7 +199,7 @@ async def replay(url: str, model: str, keys: list[tuple[str, str]], weights: lis
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=64)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         t0, stop, tasks = time.monotonic(), asyncio.Event(), []
-        monitor = asyncio.ensure_future(sampler(state, pid, t0, stop))
+        monitor = asyncio.ensure_future(sampler(state, pid, t0, stop, duration_s))
         for i, (at, n_prompt, n_out) in enumerate(_looped(trace, duration_s / time_scale)):
             delay = at * time_scale - (time.monotonic() - t0)
             if delay > 0:
@@ -264,39 +272,37 @@ def _metric(text: str, name: str) -> float | None:
     return None
 
 
-def theil_sen(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
-    """Slope, intercept and R^2 of a Theil-Sen fit (median of pairwise slopes)."""
-    pairs = [(ys[j] - ys[i]) / (xs[j] - xs[i]) for i in range(0, len(xs), max(1, len(xs) // 200))
-             for j in range(i + 1, len(xs), max(1, len(xs) // 200)) if xs[j] != xs[i]]
-    slope = statistics.median(pairs) if pairs else 0.0
-    intercept = statistics.median(y - slope * x for x, y in zip(xs, ys))
-    mean = statistics.fmean(ys)
-    ss_tot = sum((y - mean) ** 2 for y in ys) or 1e-12
-    ss_res = sum((y - slope * x - intercept) ** 2 for x, y in zip(xs, ys))
-    return slope, intercept, 1 - ss_res / ss_tot
-
-
 def memory_trend(state: Replay) -> dict:
-    """RSS against completed requests after a warm-up (the first fifth of the run)."""
+    """RSS against completed requests after a warm-up (the first fifth of the run), by the
+    diagnostics' own robust fit (Theil-Sen with its 95% interval)."""
+    from ctxwarden.diagnostics.leaks import robust_slope
+
     pts = [(s.completed, s.rss_anon_mb) for s in state.samples if s.rss_anon_mb is not None]
     pts = pts[len(pts) // 5:]
     if len(pts) < 10 or pts[-1][0] == pts[0][0]:
         return {"note": "too few samples for a trend"}
-    slope, _, r2 = theil_sen([float(c) for c, _ in pts], [m for _, m in pts])
+    fit = robust_slope([float(c) for c, _ in pts], [m for _, m in pts])
     return {"rss_anon_mb_start": pts[0][1], "rss_anon_mb_end": pts[-1][1],
-            "slope_mb_per_1000_requests": slope * 1000, "r2": r2, "num_samples": len(pts)}
+            "rss_anon_mb_max": max(m for _, m in pts),
+            "slope_mb_per_1000_requests": fit.slope * 1000,
+            "slope_interval_mb_per_1000_requests": [fit.slope_low * 1000, fit.slope_high * 1000],
+            "r2": fit.r_squared, "num_samples": fit.num_samples,
+            "completed_from": pts[0][0], "completed_to": pts[-1][0]}
 
 
 def ttft_drift(ok: list[Outcome]) -> dict:
-    """TTFT over time, adjusted for prompt length: residuals of TTFT ~ prompt tokens, then
-    their slope against the time of sending (seconds of drift per hour)."""
-    pts = [(o.sent_s, o.prompt_tokens, o.ttft_s) for o in ok if o.ttft_s is not None]
-    if len(pts) < 20:
+    """TTFT change per 1,000 completed requests at a fixed prompt length (the diagnostics'
+    Huber regression on prompt length, its square and the completed count; bootstrap
+    interval). Each request is placed at the count completed when it finished."""
+    from ctxwarden.diagnostics.leaks import ttft_drift as fit_drift
+
+    done = sorted((o for o in ok if o.ttft_s is not None), key=lambda o: o.sent_s + (o.total_s or 0.0))
+    if len(done) < 20:
         return {"note": "too few requests"}
-    k, b, _ = theil_sen([float(p) for _, p, _ in pts], [t for _, _, t in pts])
-    resid = [t - (k * p + b) for _, p, t in pts]
-    slope, _, r2 = theil_sen([s for s, _, _ in pts], resid)
-    return {"ttft_s_per_prompt_token": k, "drift_s_per_hour": slope * 3600, "r2": r2}
+    fit = fit_drift(list(range(len(done))), [o.prompt_tokens for o in done], [o.ttft_s for o in done])
+    return {"seconds_per_1000_requests": fit.seconds_per_1000_requests,
+            "interval": [fit.low, fit.high], "contains_zero": fit.contains_zero,
+            "median_ttft_s": fit.median_ttft_s, "num_requests": fit.num_samples}
 
 
 def plot(state: Replay, path: Path, title: str) -> None:
@@ -413,7 +419,8 @@ def _machine() -> dict:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
     return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"), "when": time.strftime("%Y-%m-%d %H:%M")}
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"), "when": time.strftime("%Y-%m-%d %H:%M"),
+            "load_average": list(os.getloadavg())}
 
 
 if __name__ == "__main__":

@@ -28,10 +28,12 @@ class Timeline:
 
     @property
     def events(self) -> list[dict]:
+        """The event rows, in time order."""
         return [r for r in self.rows if r["type"] == "event"]
 
     @property
     def samples(self) -> list[dict]:
+        """The memory-sample rows, in time order."""
         return [r for r in self.rows if r["type"] == "sample"]
 
     @property

@@ -186,12 +186,7 @@ def create_app(config: ServerConfig, engines: list[AsyncEngine] | None = None) -
     tenants = TenantDirectory.load(config.api_keys) if config.api_keys else TenantDirectory.open()
     metrics = ServerMetrics()
     limiter = TokenRateLimiter()
-    request_log = RequestLogWriter(config.request_log) if config.request_log else None
-    sampler = MemorySampler(lambda: state.engines, config.cgroup_root, config.memory_sample_interval_s) \
-        if config.memory_sample_interval_s else None
-    crash = CrashRecorder(config.crash_dir, state, sampler, config.cgroup_root, config.crash_window_s,
-                          config.debug_dump_prompts) if config.crash_dir else None
-    state.on_fail = crash.on_engine_failure if crash else None
+    request_log, sampler, crash = _diagnostics(config, state)
     for e in state.engines:  # engines built by the caller report their failure here too
         e.on_failure = e.on_failure or (lambda message: state.fail(f"the engine failed: {message}"))
         e.events = state.events
@@ -202,14 +197,13 @@ def create_app(config: ServerConfig, engines: list[AsyncEngine] | None = None) -
         if sampler is not None:
             sampler.start()
         yield
-        if sampler is not None:
-            sampler.stop()
         if loader is not None and not loader.done():
             loader.cancel()
         for e in state.engines:
             await asyncio.to_thread(e.stop)
-        if request_log is not None:
-            request_log.close()
+        for part in (sampler, request_log):
+            if part is not None:
+                part.close()
 
     app = FastAPI(title="ctxwarden", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible API over the ctxwarden paged-KV engine.")
@@ -242,6 +236,17 @@ def create_app(config: ServerConfig, engines: list[AsyncEngine] | None = None) -
     add_debug_routes(app, state, admin_of, config.cgroup_root, sampler)
     _add_completion_routes(app, _Serving(state, metrics, limiter, request_log, crash), tenant_of)
     return app
+
+
+def _diagnostics(config: ServerConfig, state: ServerState):
+    """The request log, the 1 Hz memory sampler and the crash recorder the config asks for."""
+    request_log = RequestLogWriter(config.request_log) if config.request_log else None
+    sampler = MemorySampler(lambda: state.engines, config.cgroup_root, config.memory_sample_interval_s) \
+        if config.memory_sample_interval_s else None
+    crash = CrashRecorder(config.crash_dir, state, sampler, config.cgroup_root, config.crash_window_s,
+                          config.debug_dump_prompts) if config.crash_dir else None
+    state.on_fail = crash.on_engine_failure if crash else None
+    return request_log, sampler, crash
 
 
 def _add_info_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics, tenant_of) -> None:

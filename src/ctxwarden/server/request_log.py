@@ -31,6 +31,7 @@ class RequestLogWriter:
                 self._file.flush()
 
     def close(self) -> None:
+        """Close the file; later writes are dropped."""
         with self._lock:
             self._file.close()
 

@@ -53,9 +53,11 @@ class MemorySampler:
         self._thread = threading.Thread(target=self._run, name="memory-sampler", daemon=True)
 
     def start(self) -> None:
+        """Start sampling on the daemon thread."""
         self._thread.start()
 
-    def stop(self) -> None:
+    def close(self) -> None:
+        """Stop sampling (the samples stay readable)."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(5)

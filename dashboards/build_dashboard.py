@@ -52,6 +52,11 @@ ROWS = {
                                             q("ctxwarden_process_swap_bytes", "VmSwap")]),
         ("OOM kills in the memory cgroup", "short", [q("ctxwarden_cgroup_oom_kills", "oom_kill")]),
     ],
+    "Attention monitor": [
+        ("Monitored requests (per s)", "reqps", [q(f"rate(ctxwarden_attention_sampled_requests_total{M}{W})", "{{model}}")]),
+        ("Attention collapse alerts (per s)", "short", [q(f"rate(ctxwarden_attention_collapse_alerts_total{M}{W})",
+                                                          "{{model}}")]),
+    ],
     "KV tiers": [
         ("Tier hits and misses (blocks per s)", "short", [q(f"rate(ctxwarden_kv_tier_hits_total{M}{W})", "hits {{tier}}"),
                                                           q(f"rate(ctxwarden_kv_tier_misses_total{M}{W})", "misses {{tier}}")]),

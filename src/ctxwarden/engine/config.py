@@ -52,6 +52,7 @@ class EngineConfig:
     kv_tiers: TiersConfig | str | None = None  # 'ram:4GiB,disk:/path:20GiB,redis://host:6379'
     kv_tier_fetch: str = "auto"  # auto: fetch only where the cost model says it beats recompute
     weights: str | None = None  # WEIGHTS_MODES; None: $CTXWARDEN_WEIGHTS, else auto
+    attention_sample_rate: float = 0.0  # share of requests whose attention is monitored (0: off)
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype, ACTIVATION_DTYPES))
@@ -77,6 +78,9 @@ class EngineConfig:
             raise ValueError(f"max_queue_delay_s must be > 0 (or None: no limit), got {self.max_queue_delay_s}")
         if self.contended_prefill_tokens is not None and self.contended_prefill_tokens < 1:
             raise ValueError(f"contended_prefill_tokens must be >= 1, got {self.contended_prefill_tokens}")
+        if not 0.0 <= self.attention_sample_rate <= 1.0:
+            raise ValueError(f"attention_sample_rate must be in [0, 1] (a share of requests), got "
+                             f"{self.attention_sample_rate}")
         if self.swap_space_bytes < 0 or self.sink_tokens < 0:
             raise ValueError("swap_space_bytes and sink_tokens must be >= 0")
         if self.sink_tokens and not self.window_tokens:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from ctxwarden.engine.config import EngineConfig
@@ -31,6 +32,7 @@ from ctxwarden.kv import AuditReport, KVCacheManager, KVStats
 from ctxwarden.plan import kv_bytes_per_token, plan_memory
 from ctxwarden.plan.params import count_parameters
 from ctxwarden.request import FinishReason, Request, StepOutput, TenantShare
+from ctxwarden.runner.attention_monitor import MAX_FINISHED_RECORDS, attach_monitor, is_sampled
 from ctxwarden.runner.inputs import ForwardBatch
 from ctxwarden.runner.model_runner import ModelRunner, RunnerConfig
 from ctxwarden.sampling import SamplingParams
@@ -71,6 +73,8 @@ class Engine:
             num_blocks=self.num_blocks, block_size=config.block_size, kv_dtype=config.kv_dtype,
             dtype=config.dtype, window_tokens=config.window_tokens, sink_tokens=config.sink_tokens,
             weights=config.weights))
+        self.attention = attach_monitor(self.runner, config.attention_sample_rate)  # None: off
+        self.attention_done: OrderedDict = OrderedDict()  # request id -> RequestAttention (finished)
         self.tiers, extra_keys = self._open_tiers()
         self.scheduler = Scheduler(
             KVCacheManager(self.runner.layout, self.num_blocks, config.enable_prefix_caching,
@@ -220,6 +224,10 @@ class Engine:
 
     def _run(self, scheduled: tuple[ScheduledSeq, ...]) -> list[StepOutput]:
         batch = ForwardBatch(tuple(self.outputs.sequence_input(s) for s in scheduled))
+        if self.attention is not None:
+            rate = self.config.attention_sample_rate
+            self.attention.begin(tuple(s.request.request_id if is_sampled(s.request.request_id, rate) else None
+                                       for s in scheduled))
         started = time.perf_counter()
         try:
             logits = self.runner.forward(batch)
@@ -253,6 +261,10 @@ class Engine:
     def _release_engine_state(self, req: Request) -> None:
         """What the engine itself keeps for a finished request: its host pages, its clock."""
         self.swap.drop(req.request_id)
+        if self.attention is not None and (record := self.attention.pop(req.request_id)) is not None:
+            self.attention_done[req.request_id] = record
+            while len(self.attention_done) > MAX_FINISHED_RECORDS:
+                self.attention_done.popitem(last=False)
         if self.mover is not None and req.finish_reason is not FinishReason.LENGTH \
                 and req.finish_reason is not FinishReason.STOP:
             self.mover.forget(req.request_id)  # aborted or failed: no final store

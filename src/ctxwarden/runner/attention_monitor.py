@@ -128,14 +128,15 @@ class MonitoredAttention(AttentionBackend):
         self.records: dict[str, RequestAttention] = {}
         self._sampled: tuple = ()  # per batch sequence: a request id or None
         self._layer = 0
+        self.keep_full = False  # rollout and last row too (the offline probe)
         self.query_scale = 1.0  # tests scale queries (x10) to provoke a collapse
 
-    def begin(self, sampled: tuple, keep_full: bool = False) -> None:
+    def begin(self, sampled: tuple) -> None:
         """A new step: `sampled[i]` is the request id of batch sequence i if it is monitored."""
         self._sampled, self._layer = tuple(sampled), 0
         for rid in sampled:
             if rid is not None and rid not in self.records:
-                self.records[rid] = RequestAttention(self.num_layers, self.num_heads, keep_full)
+                self.records[rid] = RequestAttention(self.num_layers, self.num_heads, self.keep_full)
 
     def pop(self, request_id: str) -> RequestAttention | None:
         """The record of a finished request (removed from the monitor)."""
@@ -196,3 +197,26 @@ def _probabilities(q, q_sink, k, q_pos, k_pos, params):
     mask = _allowed(q_pos, k_pos, params)  # [n, m]
     probs = torch.softmax(scores.masked_fill(~mask[None], float("-inf")), dim=-1)
     return probs, mask.sum(-1)
+
+
+LIVE_PREFILL_STRIDE = 4  # prefill rows a live request is sampled at (every 4th, and the last)
+MAX_FINISHED_RECORDS = 256  # finished requests' records the engine keeps for the server
+
+
+def attach_monitor(runner, sample_rate: float) -> MonitoredAttention | None:
+    """Wrap `runner.backend` in a monitor when `sample_rate` > 0 (else leave it untouched:
+    with sampling off the runner runs exactly the code it ran before)."""
+    if sample_rate <= 0:
+        return None
+    spec = runner.spec
+    monitor = MonitoredAttention(runner.backend, spec.num_layers, spec.num_attention_heads,
+                                 LIVE_PREFILL_STRIDE)
+    runner.backend = monitor
+    return monitor
+
+
+def is_sampled(request_id: str, sample_rate: float) -> bool:
+    """Whether a request is monitored: a fixed hash of its id under the rate (reproducible)."""
+    import zlib
+
+    return sample_rate >= 1.0 or zlib.crc32(request_id.encode()) / 2**32 < sample_rate

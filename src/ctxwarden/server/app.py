@@ -270,7 +270,8 @@ def _add_info_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics, t
         snapshots = {e.name: e.stats for e in state.engines}
         sampler = app.state.sampler
         body, media_type = metrics.render_negotiated(snapshots, accept, {e.name: e.memory for e in state.engines},
-                                                     sampler.latest() if sampler is not None else None)
+                                                     sampler.latest() if sampler is not None else None,
+                                                     {e.name: e.attention for e in state.engines})
         return Response(body, media_type=media_type)
 
 

@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 from ctxwarden.errors import EngineFailed
 from ctxwarden.request import FinishReason, StepOutput
+from ctxwarden.server.attention import AttentionResults
 from ctxwarden.server.owners import OwnerBook, RequestTags, memory_view
 
 log = logging.getLogger("ctxwarden.server.engine")
@@ -89,6 +90,7 @@ class AsyncEngine:
         self.stats = engine.stats()  # the latest published snapshot
         self.book = OwnerBook(name)  # engine thread only
         self.events = None  # server.events.EventRing: set by the app; None records nothing
+        self.attention = AttentionResults(name)  # sampled requests' attention (engine thread writes)
         self.memory = memory_view(engine, self.stats, self.book)  # the latest published owners
         self._published_at = time.monotonic()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -263,8 +265,12 @@ class AsyncEngine:
                   "prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens}
         if out.error:
             detail["error"] = out.error[:300]
-        self._event(kind, self.book.tags_of(out.request_id), detail)
+        tags = self.book.tags_of(out.request_id)
+        self._event(kind, tags, detail)
         self.book.finish(out.request_id)
+        done = getattr(self.engine, "attention_done", None)
+        if done and out.request_id in done:
+            self.attention.add(out.request_id, tags, done.pop(out.request_id))
 
     def _fail(self, message: str) -> None:
         """The engine loop is dead: end every live request with an error and say so once."""

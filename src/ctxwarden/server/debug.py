@@ -17,11 +17,13 @@ from fastapi import Depends, FastAPI
 from ctxwarden.diagnostics.cgroup import lookup_cgroup
 from ctxwarden.diagnostics.process_memory import read_process_memory
 from ctxwarden.diagnostics.snapshot import MemorySnapshot
+from ctxwarden.server.attention import MAX_RESULTS
+from ctxwarden.server.errors import APIError
 from ctxwarden.server.protocol import ErrorResponse
 
 
 def add_debug_routes(app: FastAPI, state, admin_of, cgroup_root: str, sampler=None) -> None:
-    """GET /debug/engines, /debug/events and /debug/memory."""
+    """GET /debug/engines, /debug/events, /debug/attention/{request_id} and /debug/memory."""
     @app.get("/debug/engines", responses={403: {"model": ErrorResponse}})
     async def debug_engines(tenant=Depends(admin_of)) -> dict:
         """Every engine's latest published stats, whole (admin only)."""
@@ -39,6 +41,19 @@ def add_debug_routes(app: FastAPI, state, admin_of, cgroup_root: str, sampler=No
         samples = sampler.samples(since) if sampler is not None else []
         return {"time": now, "capacity": state.events.capacity, "events": events,
                 "sample_interval_s": sampler.interval_s if sampler is not None else None, "samples": samples}
+
+    @app.get("/debug/attention/{request_id}", responses={403: {"model": ErrorResponse}, 404: {"model": ErrorResponse}})
+    async def debug_attention(request_id: str, tenant=Depends(admin_of)) -> dict:
+        """A sampled request's attention: per layer and head entropy and sink mass, the sink
+        rate, collapse alerts (admin only)."""
+        for e in state.engines:
+            found = e.attention.get(request_id)
+            if found:
+                return {"request_id": request_id, "choices": found}
+        rates = {e.name: getattr(e.engine.config, "attention_sample_rate", 0.0) for e in state.engines}
+        raise APIError(404, f"No attention record for request {request_id!r}: only sampled requests have one "
+                       f"(--attention-sample-rate: {rates}), and only the last {MAX_RESULTS} are kept.",
+                       param="request_id", code="not_found")
 
     @app.get("/debug/memory", responses={403: {"model": ErrorResponse}})
     async def debug_memory(tenant=Depends(admin_of)) -> dict:

@@ -133,6 +133,7 @@ class _DiagnosticsCollector:
 
     def __init__(self):
         self.views: dict[str, object] = {}  # model -> server.owners.MemoryView
+        self.attention: dict[str, object] = {}  # model -> server.attention.AttentionResults
         self.sample: dict | None = None
 
     def collect(self):
@@ -150,6 +151,15 @@ class _DiagnosticsCollector:
             if self.sample is not None:
                 family.add_metric([], float(self.sample[key]))
             yield family
+        sampled = CounterMetricFamily("ctxwarden_attention_sampled_requests", "Requests whose attention was "
+                                      "monitored (--attention-sample-rate).", labels=["model"])
+        alerts = CounterMetricFamily("ctxwarden_attention_collapse_alerts", "Heads of monitored requests whose "
+                                     "entropy fell far below their calibrated baseline.", labels=["model"])
+        for model, results in self.attention.items():
+            sampled.add_metric([model], float(results.num_sampled))
+            alerts.add_metric([model], float(results.num_alerts))
+        yield sampled
+        yield alerts
         kills = GaugeMetricFamily("ctxwarden_cgroup_oom_kills", "OOM kills the memory cgroup has recorded "
                                   "(memory.events oom_kill; absent without a memory cgroup).")
         if self.sample is not None and self.sample.get("oom_kill") is not None:
@@ -191,11 +201,12 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
     def render_negotiated(self, snapshots: dict[str, object], accept: str | None, views: dict | None = None,
-                          sample: dict | None = None) -> tuple[bytes, str]:
+                          sample: dict | None = None, attention: dict | None = None) -> tuple[bytes, str]:
         """(body, content type): OpenMetrics if `accept` asks for it, else Prometheus text.
         `views` (model -> MemoryView) and `sample` (the latest memory sample) feed the
         owner-risk and process-memory gauges."""
         self._diagnostics.views, self._diagnostics.sample = views or {}, sample
+        self._diagnostics.attention = attention or {}
         if accept and "application/openmetrics-text" in accept:
             self._engines.snapshots = snapshots
             return openmetrics.generate_latest(self.registry), openmetrics.CONTENT_TYPE_LATEST

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-HELP = "Diagnostics: request lengths, SLO risk, memory snapshots and diffs, slow-leak detection, timeline."
+HELP = "Diagnostics: request lengths, SLO risk, memory snapshots and diffs, slow-leak detection, timeline, attention."
 
 # name -> module under ctxwarden.cli.diag
 SUBCOMMANDS = {
@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "mem": "mem",
     "leak": "leak",
     "timeline": "timeline",
+    "attention": "attention",
 }
 
 

@@ -1,6 +1,6 @@
 """Incident timeline and crash bundle on a live server with a tiny KV pool.
 
-Four long requests in a pool for about two preempt each other; then an injected step fault
+Six long requests sent at once to a pool for about two preempt each other; then an injected step fault
 (a forward that grabs 128 MiB, keeps it, and raises) fails one request with a 500. The
 timeline must hold every request's events in order, the error event, and the memory spike
 in the first sample after the error; the crash bundle must name the failing request and hold
@@ -23,6 +23,7 @@ ALPHA = {"Authorization": "Bearer key-alpha"}
 MiB = 2**20
 INTERVAL_S = 0.5
 SECRET = "zebra-secret-4417"
+NUM_LONG = 6
 
 
 @pytest.fixture(scope="module")
@@ -64,10 +65,10 @@ def test_timeline_and_crash_bundle_of_an_injected_step_error(incident, tmp_path,
     num_blocks = server.engines[0].engine.num_blocks
     time.sleep(3 * INTERVAL_S)  # a baseline of samples
     body = {"max_tokens": 48, "ignore_eos": True}
-    with ThreadPoolExecutor(4) as pool:
+    with ThreadPoolExecutor(NUM_LONG) as pool:  # all at once: the pool holds about two
         replies = list(pool.map(lambda i: _post(server, "/v1/completions", {
-            **body, "prompt": [1 + (i * 31 + j) % 500 for j in range(160)]}, f"long-{i}"), range(4)))
-    assert [r.status_code for r in replies] == [200] * 4
+            **body, "prompt": [1 + (i * 31 + j) % 500 for j in range(160)]}, f"long-{i}"), range(NUM_LONG)))
+    assert [r.status_code for r in replies] == [200] * NUM_LONG
     kept: list = []
     _inject_fault(server, kept)
     r = _post(server, "/v1/chat/completions", {"max_tokens": 4, "messages": [
@@ -83,9 +84,9 @@ def test_timeline_and_crash_bundle_of_an_injected_step_error(incident, tmp_path,
     def kinds(rid):
         return [e["kind"] for e in events if e["request_id"] == rid]
     assert kinds("boom-1") == ["arrival", "admit", "schedule", "error"]
-    preempted = [f"long-{i}" for i in range(4) if "preempt" in kinds(f"long-{i}")]
-    assert preempted, "a pool of %d blocks should preempt one of four 208-token requests" % num_blocks
-    for i in range(4):
+    preempted = [f"long-{i}" for i in range(NUM_LONG) if "preempt" in kinds(f"long-{i}")]
+    assert preempted, "a pool of %d blocks should preempt one of six 208-token requests" % num_blocks
+    for i in range(NUM_LONG):
         k = kinds(f"long-{i}")
         assert k[:3] == ["arrival", "admit", "schedule"] and k[-1] == "finish", k
         assert set(k[3:-1]) <= {"preempt", "swap", "schedule"}, k

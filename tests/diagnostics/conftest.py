@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "cgroup"
+from diag_paths import FIXTURES  # noqa: F401  (re-exported for fixtures)
 
 # The child keeps what it is told to keep; every buffer is written so its pages are resident.
 CHILD = r"""

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import FIXTURES
+from diag_paths import FIXTURES
 
 from ctxwarden.diagnostics.doctor import (SEVERITIES, Finding, ModelMeasurement, build_report,
                                           environment_findings, leak_findings, model_findings,

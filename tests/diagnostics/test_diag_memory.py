@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES
+from diag_paths import FIXTURES
 
 from ctxwarden.diagnostics.cgroup import lookup_cgroup
 from ctxwarden.diagnostics.memdiff import diff_snapshots, unit_of

@@ -45,8 +45,10 @@ _FLAGS = {
                                  "without RoPE scaling (every response then says so in a header)"),
     "kv_tier_fetch": ("--kv-tier-fetch", "auto: fetch from a tier only where the cost model says it beats "
                       "recomputing; always: fetch whatever a tier holds"),
+    "attention_sample_rate": ("--attention-sample-rate", "share of requests whose attention is monitored "
+                              "(entropy, sink mass; GET /debug/attention/ID); 0 = off"),
 }
-_FLOATS = ("max_queue_delay_s",)
+_FLOATS = ("max_queue_delay_s", "attention_sample_rate")
 _TEXT_FIELDS = {"model": "MODEL", "kv_tiers": "TIERS", "rope_scaling": "JSON"}  # free text, not a number
 _CHOICES = {"dtype": ACTIVATION_DTYPES + ("float32", "bfloat16", "float16"),
             "kv_dtype": RUNNER_KV_DTYPES + ("float32", "bfloat16", "float16"),

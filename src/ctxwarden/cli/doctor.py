@@ -19,6 +19,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tpot", default=None, help="--log: the TPOT objective, e.g. 100ms")
     p.add_argument("--leak-samples", default=None, metavar="FILE", help="leak samples: add the leak verdict")
     p.add_argument("--leak-warmup", type=int, default=0, help="--leak-samples: ignore the first N requests")
+    from ctxwarden.cli.diag.mem import add_url_arguments
+
+    add_url_arguments(p)
     p.add_argument("--cgroup-root", default="/sys/fs/cgroup", help="where the cgroup hierarchy is mounted")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -31,7 +34,12 @@ def run(args: argparse.Namespace) -> int:
 
     env = collect_environment(args.cgroup_root, user_env=USER_ENV)
     model = _measure(args) if (args.model or args.default_model) else None
-    report = build_report(env, model=model, slo_risk=_slo(args), leak=_leak(args))
+    server = None
+    if args.url:
+        from ctxwarden.cli.diag.mem import fetch_server_json
+
+        server = fetch_server_json(args.url, "/debug/memory", args.api_key)
+    report = build_report(env, model=model, slo_risk=_slo(args), leak=_leak(args), server=server)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:

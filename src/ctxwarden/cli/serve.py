@@ -15,7 +15,7 @@ import time
 
 HELP = "Serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /metrics)."
 
-_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"
+_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s trace=%(trace_id)s] %(message)s"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,6 +38,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="allow a non-loopback --host without --api-keys")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="413 past this request size")
     p.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to let requests finish on SIGTERM")
+    p.add_argument("--request-log", default=None, metavar="FILE",
+                   help="append one JSONL line per finished request (ids, tenant, token counts, TTFT, TPOT, "
+                   "status; never text) for `ctxwarden diag lengths|slo-risk`")
+    p.add_argument("--crash-dir", default=None, metavar="DIR",
+                   help="on the first 5xx or engine failure write a crash bundle here (events, memory, the "
+                   "failing request's metadata; no prompt text)")
+    p.add_argument("--debug-dump-prompts", action="store_true",
+                   help="--crash-dir: include the failing request's prompts (they may hold user data)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_arguments(p, max_waiting=SERVER_MAX_WAITING, max_queue_delay_s=SERVER_MAX_QUEUE_DELAY_S)
 
@@ -50,8 +58,10 @@ def run(args: argparse.Namespace) -> int:
 
     _check_exposure(args)
     config = ServerConfig(engine=engine_config_from_args(args), fallback_model=args.fallback_model,
-                          on_overflow=args.on_overflow, served_model_name=args.served_model_name, api_keys=args.api_keys,
-                          max_body_bytes=args.max_body_bytes, drain_timeout_s=args.drain_timeout)
+                          on_overflow=args.on_overflow, served_model_name=args.served_model_name,
+                          api_keys=args.api_keys, max_body_bytes=args.max_body_bytes,
+                          drain_timeout_s=args.drain_timeout, request_log=args.request_log,
+                          crash_dir=args.crash_dir, debug_dump_prompts=args.debug_dump_prompts)
     _configure_logging(args.log_level, RequestIdLogFilter())
     app = create_app(config)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_config=None,

@@ -75,9 +75,13 @@ class DoctorReport:
 
 
 def build_report(env: Environment, model: ModelMeasurement | None = None, slo_risk=None,
-                 leak=None, load_average: tuple[float, float, float] | None = None) -> DoctorReport:
-    """Collect the findings of every source given, worst first."""
+                 leak=None, load_average: tuple[float, float, float] | None = None,
+                 server: dict | None = None) -> DoctorReport:
+    """Collect the findings of every source given, worst first (`server`: the snapshot JSON
+    of a running server's /debug/memory)."""
     findings = environment_findings(env, load_average or os.getloadavg())
+    if server is not None:
+        findings += server_findings(server)
     if model is not None:
         findings += model_findings(model, env)
     if slo_risk is not None:
@@ -301,4 +305,51 @@ def leak_findings(report) -> list[Finding]:
                            f"{d.seconds_per_1000_requests * 1000:+.1f} ms per 1,000 requests "
                            f"({d.low * 1000:+.1f} to {d.high * 1000:+.1f}); median TTFT {d.median_ttft_s * 1000:.1f} ms",
                            "look for per-request state that accumulates (caches, queues, fragmentation)"))
+    return out
+
+
+# --- a running server (its /debug/memory snapshot) ---------------------------------------------
+
+FRAGMENTATION_WARNING = 0.5  # external fragmentation of the allocatable blocks
+_OWNER_FIX = {"HIGH": "a finished request still holds KV blocks: a release path missed it; restart the server to "
+                      "get the blocks back and report the request id (its events: `ctxwarden diag timeline`)",
+              "CRITICAL": "KV blocks are held with no request known to own them: restart the server and report "
+                          "the snapshot (`ctxwarden diag mem snapshot --url URL --json`)"}
+
+
+def server_findings(snap: dict) -> list[Finding]:
+    """KV owners at risk, the pool's use and fragmentation, from a server's snapshot."""
+    out = [*_owner_findings(snap.get("owners") or [])]
+    kv = snap.get("kv")
+    if kv:
+        share = kv["num_blocks_in_use"] / kv["num_blocks_total"] if kv["num_blocks_total"] else 0.0
+        out.append(Finding("info", "KV pool use on the server",
+                           f"{kv['num_blocks_in_use']:,} of {kv['num_blocks_total']:,} blocks in use ({share:.0%}), "
+                           f"{kv['num_blocks_cached']:,} cached, host swap {kv['host_swap_bytes'] / MiB:,.1f} MiB",
+                           "nothing to do" if share < 0.9 else "near full: requests queue or preempt; "
+                           "a larger --kv-memory or fewer --max-num-seqs"))
+        if kv["external_fragmentation"] > FRAGMENTATION_WARNING:
+            out.append(Finding("warning", "the free KV blocks are fragmented",
+                               f"external fragmentation {kv['external_fragmentation']:.0%}",
+                               "harmless for paged attention (any free block serves); watch it only with "
+                               "contiguous tiers or swap"))
+    if not any(o.get("risk") in ("HIGH", "CRITICAL") for o in snap.get("owners") or []):
+        out.append(Finding("ok", "no KV blocks held by finished or unknown requests",
+                           f"{len(snap.get('owners') or [])} owner(s), all live", "nothing to do"))
+    return out
+
+
+def _owner_findings(owners: list[dict]) -> list[Finding]:
+    out = []
+    for risk, severity in (("CRITICAL", "critical"), ("HIGH", "high")):
+        bad = sorted((o for o in owners if o.get("risk") == risk), key=lambda o: -o["age_s"])
+        if not bad:
+            continue
+        shown = "; ".join(f"{o['request_id'] or o.get('engine_request_id') or 'no sequence'} (tenant "
+                          f"{o['tenant'] or '-'}, {o['blocks']} blocks, {o['state']} {o['age_s']:.1f} s ago)"
+                          for o in bad[:5])
+        more = f"; and {len(bad) - 5} more" if len(bad) > 5 else ""
+        out.append(Finding(severity, f"{sum(o['blocks'] for o in bad):,} KV blocks held by "
+                           f"{len(bad)} {'unknown' if risk == 'CRITICAL' else 'finished'} owner(s)",
+                           shown + more, _OWNER_FIX[risk]))
     return out

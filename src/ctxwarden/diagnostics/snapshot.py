@@ -72,6 +72,9 @@ class OwnerRecord:
     age_s: float  # since arrival (live owners) or since finishing (finished owners)
     state: str  # running | waiting | swapped | finished | none
     risk: str  # OK | HIGH | CRITICAL
+    trace_id: str | None = None  # the W3C traceparent's trace id, when the client sent one
+    model: str | None = None  # the served model whose pool holds the blocks
+    engine_request_id: str | None = None  # the engine's id of this choice (one per choice)
 
 
 def owner_risk(state: str, age_s: float, p99_latency_s: float) -> str:

@@ -56,6 +56,7 @@ class EngineConfig:
     # transformers' rope_scaling / rope_parameters dict (or its JSON): replaces the file's RoPE
     rope_scaling: dict | str | None = None
     allow_long_max_model_len: bool = False  # max_model_len past the model's window, unscaled
+    attention_sample_rate: float = 0.0  # share of requests whose attention is monitored (0: off)
 
     def __post_init__(self):
         object.__setattr__(self, "rope_scaling", parse_rope_scaling(self.rope_scaling))
@@ -82,6 +83,9 @@ class EngineConfig:
             raise ValueError(f"max_queue_delay_s must be > 0 (or None: no limit), got {self.max_queue_delay_s}")
         if self.contended_prefill_tokens is not None and self.contended_prefill_tokens < 1:
             raise ValueError(f"contended_prefill_tokens must be >= 1, got {self.contended_prefill_tokens}")
+        if not 0.0 <= self.attention_sample_rate <= 1.0:
+            raise ValueError(f"attention_sample_rate must be in [0, 1] (a share of requests), got "
+                             f"{self.attention_sample_rate}")
         if self.swap_space_bytes < 0 or self.sink_tokens < 0:
             raise ValueError("swap_space_bytes and sink_tokens must be >= 0")
         if self.sink_tokens and not self.window_tokens:

@@ -22,10 +22,12 @@ import itertools
 import logging
 import math
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 
 from ctxwarden.engine.config import EngineConfig
 from ctxwarden.engine.heap import HeapTrimmer
+from ctxwarden.engine.holders import KVHolders, kv_holders
 from ctxwarden.engine.outputs import OutputProcessor, output_of
 from ctxwarden.engine.swap import HostSwapSpace
 from ctxwarden.engine.tiers import TierMover, calibrate_prefill, open_tiers, tier_namespace
@@ -34,6 +36,7 @@ from ctxwarden.kv import AuditReport, KVCacheManager, KVStats
 from ctxwarden.plan import kv_bytes_per_token, plan_memory
 from ctxwarden.plan.params import count_parameters
 from ctxwarden.request import FinishReason, Request, StepOutput, TenantShare
+from ctxwarden.runner.attention_monitor import MAX_FINISHED_RECORDS, attach_monitor, is_sampled
 from ctxwarden.runner.inputs import ForwardBatch
 from ctxwarden.runner.model_runner import ModelRunner, RunnerConfig
 from ctxwarden.sampling import SamplingParams
@@ -77,6 +80,8 @@ class Engine:
             num_blocks=self.num_blocks, block_size=config.block_size, kv_dtype=config.kv_dtype,
             dtype=config.dtype, window_tokens=config.window_tokens, sink_tokens=config.sink_tokens,
             weights=config.weights))
+        self.attention = attach_monitor(self.runner, config.attention_sample_rate)  # None: off
+        self.attention_done: OrderedDict = OrderedDict()  # request id -> RequestAttention (finished)
         self.tiers, extra_keys = self._open_tiers()
         self.scheduler = Scheduler(
             KVCacheManager(self.runner.layout, self.num_blocks, config.enable_prefix_caching,
@@ -98,6 +103,7 @@ class Engine:
         self._last_tokens_per_s = 0.0
         self._last_audit: AuditReport | None = None
         self.heap = HeapTrimmer()
+        self.last_work = None  # the last step's SchedulerOutput (read by the server's event ring)
 
     # --- setup ------------------------------------------------------------------------------
 
@@ -211,7 +217,7 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """Schedule, run, sample, emit. Returns this step's outputs (and any abort notices)."""
         started = time.perf_counter()
-        work = self.scheduler.schedule()
+        work = self.last_work = self.scheduler.schedule()
         if self.mover is not None:
             self.mover.before_forward(work)  # spill reads come before the swap-in writes
         self.swap.move(work)
@@ -234,6 +240,10 @@ class Engine:
 
     def _run(self, scheduled: tuple[ScheduledSeq, ...]) -> list[StepOutput]:
         batch = ForwardBatch(tuple(self.outputs.sequence_input(s) for s in scheduled))
+        if self.attention is not None:
+            rate = self.config.attention_sample_rate
+            self.attention.begin(tuple(s.request.request_id if is_sampled(s.request.request_id, rate) else None
+                                       for s in scheduled))
         started = time.perf_counter()
         try:
             logits = self.runner.forward(batch)
@@ -267,6 +277,10 @@ class Engine:
     def _release_engine_state(self, req: Request) -> None:
         """What the engine itself keeps for a finished request: its host pages, its clock."""
         self.swap.drop(req.request_id)
+        if self.attention is not None and (record := self.attention.pop(req.request_id)) is not None:
+            self.attention_done[req.request_id] = record
+            while len(self.attention_done) > MAX_FINISHED_RECORDS:
+                self.attention_done.popitem(last=False)
         if self.mover is not None and req.finish_reason is not FinishReason.LENGTH \
                 and req.finish_reason is not FinishReason.STOP:
             self.mover.forget(req.request_id)  # aborted or failed: no final store
@@ -287,6 +301,10 @@ class Engine:
             leaked_blocks=_leaked_blocks(audit), audit_findings=tuple(audit.findings) if audit else (),
             tiers=sched.tiers, num_heap_trims=self.heap.num_trims,
             heap_released_bytes=self.heap.released_bytes)
+
+    def kv_holders(self) -> KVHolders:
+        """Who holds KV blocks now (ctxwarden.engine.holders); between steps only."""
+        return kv_holders(self)
 
     def audit(self) -> AuditReport:
         """Recount the KV pool now: every invariant, and blocks owned by no running request."""

@@ -16,21 +16,29 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import Response
 
+from ctxwarden.diagnostics.cgroup import DEFAULT_CGROUP_ROOT
 from ctxwarden.engine.config import SERVER_MAX_QUEUE_DELAY_S, SERVER_MAX_WAITING, EngineConfig
 from ctxwarden.errors import ContextLengthExceeded, TenantLimitExceeded
 from ctxwarden.server import errors
 from ctxwarden.server.async_engine import AsyncEngine
 from ctxwarden.server.calls import Call, EventStreamResponse
+from ctxwarden.server.debug import add_debug_routes
 from ctxwarden.server.errors import APIError, unavailable
 from ctxwarden.server.generation import Generation, Job, submit
 from ctxwarden.server.metrics import ServerMetrics
+from ctxwarden.server.middleware import (RequestContextMiddleware, RequestIdLogFilter, request_id_var,
+                                         trace_id_var)
+from ctxwarden.server.crash import CrashRecorder
+from ctxwarden.server.events import EventRing
 from ctxwarden.server.overflow import FITTING_POLICIES, OverflowReport, check_policy, fit_job
-from ctxwarden.server.middleware import RequestContextMiddleware, RequestIdLogFilter, request_id_var
+from ctxwarden.server.owners import RequestTags
+from ctxwarden.server.request_log import RequestLogWriter, record_of
+from ctxwarden.server.sampler import MemorySampler
 from ctxwarden.server.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                                        CompletionRequest, CompletionResponse, ErrorResponse,
                                        ModelCard, ModelList)
@@ -43,7 +51,8 @@ _ERRORS = {s: {"model": ErrorResponse} for s in (400, 401, 404, 413, 429, 500, 5
 
 
 _SERVER_FIELDS = ("fallback_model", "on_overflow", "served_model_name", "api_keys", "max_body_bytes",
-                  "drain_timeout_s")
+                  "drain_timeout_s", "cgroup_root", "request_log", "crash_dir", "crash_window_s",
+                  "debug_dump_prompts", "memory_sample_interval_s")
 
 
 def _server_engine_config() -> EngineConfig:
@@ -61,6 +70,12 @@ class ServerConfig:
     api_keys: str | None = None  # path of the key file
     max_body_bytes: int = 4 * 1024 * 1024
     drain_timeout_s: float = 60.0
+    cgroup_root: str = DEFAULT_CGROUP_ROOT  # where /debug/memory reads the memory cgroup
+    request_log: str | None = None  # append one JSONL line per finished request (no text)
+    crash_dir: str | None = None  # the first 5xx / engine failure writes a crash bundle here
+    crash_window_s: float = 600.0  # the events and samples a bundle keeps
+    debug_dump_prompts: bool = False  # crash bundles include the failing request's prompts
+    memory_sample_interval_s: float = 1.0  # the timeline's memory samples (0: none)
 
     def __post_init__(self):
         if self.max_body_bytes < 1:
@@ -69,6 +84,9 @@ class ServerConfig:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         default = "fallback" if self.fallback_model else "error"
         object.__setattr__(self, "on_overflow", check_policy(self.on_overflow or default, "on_overflow"))
+        if self.memory_sample_interval_s < 0 or self.crash_window_s <= 0:
+            raise ValueError(f"memory_sample_interval_s must be >= 0 and crash_window_s > 0, got "
+                             f"{self.memory_sample_interval_s} and {self.crash_window_s}")
 
     @classmethod
     def build(cls, **options) -> "ServerConfig":
@@ -96,6 +114,8 @@ class ServerState:
     engines: list[AsyncEngine] = field(default_factory=list)  # primary first, then the fallback
     in_flight: int = 0
     failure: str | None = None  # why the phase is "failed": a load error or a dead engine
+    events: EventRing = field(default_factory=EventRing)  # every engine records here too
+    on_fail: object = None  # called with the reason when the server fails (the crash bundle)
 
     def check_ready(self) -> None:
         """Raise 503 + Retry-After unless new requests are accepted now."""
@@ -109,6 +129,8 @@ class ServerState:
     def fail(self, reason: str) -> None:
         """Nothing more can be served (/health 503); the process should exit non-zero."""
         self.failure, self.phase = reason, "failed"
+        if self.on_fail is not None:
+            self.on_fail(reason)
 
     def begin_drain(self) -> None:
         """Refuse new requests from now on (503); running ones continue."""
@@ -156,6 +178,8 @@ async def _load(state: ServerState, config: ServerConfig) -> None:
         log.exception("loading the model failed")
         state.fail(f"the model failed to load: {type(e).__name__}: {e}")
         return
+    for e in state.engines:
+        e.events = state.events
     state.phase = "ready" if state.phase == "loading" else state.phase
     log.info("serving %s", ", ".join(f"{e.name} (window {e.max_model_len})" for e in state.engines))
 
@@ -166,17 +190,24 @@ def create_app(config: ServerConfig, engines: list[AsyncEngine] | None = None) -
     tenants = TenantDirectory.load(config.api_keys) if config.api_keys else TenantDirectory.open()
     metrics = ServerMetrics()
     limiter = TokenRateLimiter()
+    request_log, sampler, crash = _diagnostics(config, state)
     for e in state.engines:  # engines built by the caller report their failure here too
         e.on_failure = e.on_failure or (lambda message: state.fail(f"the engine failed: {message}"))
+        e.events = state.events
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         loader = None if engines else asyncio.create_task(_load(state, config))
+        if sampler is not None:
+            sampler.start()
         yield
         if loader is not None and not loader.done():
             loader.cancel()
         for e in state.engines:
             await asyncio.to_thread(e.stop)
+        for part in (sampler, request_log):
+            if part is not None:
+                part.close()
 
     app = FastAPI(title="ctxwarden", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible API over the ctxwarden paged-KV engine.")
@@ -204,10 +235,23 @@ def create_app(config: ServerConfig, engines: list[AsyncEngine] | None = None) -
         return tenant
 
     app.state.admin_of = admin_of  # for the diagnostics routes
+    app.state.sampler = sampler
     _add_info_routes(app, state, metrics, tenant_of)
-    _add_debug_routes(app, state, admin_of)
-    _add_completion_routes(app, _Serving(state, metrics, limiter, config.on_overflow), tenant_of)
+    add_debug_routes(app, state, admin_of, config.cgroup_root, sampler)
+    _add_completion_routes(app, _Serving(state, metrics, limiter, config.on_overflow, request_log, crash),
+                           tenant_of)
     return app
+
+
+def _diagnostics(config: ServerConfig, state: ServerState):
+    """The request log, the 1 Hz memory sampler and the crash recorder the config asks for."""
+    request_log = RequestLogWriter(config.request_log) if config.request_log else None
+    sampler = MemorySampler(lambda: state.engines, config.cgroup_root, config.memory_sample_interval_s) \
+        if config.memory_sample_interval_s else None
+    crash = CrashRecorder(config.crash_dir, state, sampler, config.cgroup_root, config.crash_window_s,
+                          config.debug_dump_prompts) if config.crash_dir else None
+    state.on_fail = crash.on_engine_failure if crash else None
+    return request_log, sampler, crash
 
 
 def _add_info_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics, tenant_of) -> None:
@@ -224,18 +268,16 @@ def _add_info_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics, t
         return ModelList(data=[ModelCard(id=e.name, context_window=e.max_model_len) for e in state.engines])
 
     @app.get("/metrics", response_class=Response)
-    async def prometheus() -> Response:
-        """Prometheus text, from the snapshot each engine publishes (never waits on a step)."""
+    async def prometheus(accept: str | None = Header(default=None)) -> Response:
+        """Prometheus text, from the snapshot each engine publishes (never waits on a step);
+        OpenMetrics (with exemplars: request and trace ids on the latency histograms) when
+        the scraper's Accept header asks for application/openmetrics-text."""
         snapshots = {e.name: e.stats for e in state.engines}
-        return Response(metrics.render(snapshots), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-
-def _add_debug_routes(app: FastAPI, state: ServerState, admin_of) -> None:
-    @app.get("/debug/engines", responses={403: {"model": ErrorResponse}})
-    async def debug_engines(tenant: Tenant = Depends(admin_of)) -> dict:
-        """Every engine's latest published stats, whole (admin only)."""
-        return {"phase": state.phase, "failure": state.failure,
-                "engines": {e.name: {"failure": e.failure, "stats": asdict(e.stats)} for e in state.engines}}
+        sampler = app.state.sampler
+        body, media_type = metrics.render_negotiated(snapshots, accept, {e.name: e.memory for e in state.engines},
+                                                     sampler.latest() if sampler is not None else None,
+                                                     {e.name: e.attention for e in state.engines})
+        return Response(body, media_type=media_type)
 
 
 def _is_loopback(host: str) -> bool:
@@ -294,32 +336,43 @@ class _Serving:
     metrics: ServerMetrics
     limiter: TokenRateLimiter
     default_overflow: str = "error"  # ServerConfig.on_overflow
+    request_log: RequestLogWriter | None = None
+    crash: CrashRecorder | None = None
 
     async def serve(self, job: Job, body, tenant: Tenant, prefix: str, receive):
         """Admit, submit and answer one completion request (JSON or a stream)."""
+        tags = RequestTags(request_id_var.get(), tenant.name, trace_id_var.get())
+        self.state.events.record_tags("arrival", tags, body.model, {"stream": bool(body.stream), "n": job.n})
         try:
             self.state.check_ready()
             self.state.in_flight += 1
         except APIError as e:
-            self.metrics.count_request(e.status)
+            self._refused(tags, e.status, e)
             raise
         try:
             api_id = f"{prefix}-{uuid.uuid4().hex}"
-            gen, overflow = await self._start(job, body, tenant, api_id)
+            gen, overflow = await self._start(job, body, tenant, api_id, tags)
         except BaseException as e:
             self.state.in_flight -= 1
-            self.metrics.count_request(e.status if isinstance(e, APIError) else 499)
+            self._refused(tags, e.status if isinstance(e, APIError) else 499, e)
             raise
         log.info("%s: %d choice(s) on %s, tenant %s, %d prompt tokens", api_id, len(gen.choices),
                  gen.engine.name, tenant.name, gen.max_prompt_tokens)
         call = Call(self.metrics, gen, api_id, int(time.time()), job, body,
-                    on_settle=lambda c: self._settled(c, tenant), overflow=overflow)
+                    on_settle=lambda c: self._settled(c, tenant), overflow=overflow, tags=tags)
         if body.stream:
             return EventStreamResponse(call.events(), media_type="text/event-stream", headers=call.headers(),
                                        on_close=call.settle)
         return await call.collect(receive)
 
-    async def _start(self, job: Job, body, tenant: Tenant, api_id: str) -> tuple[Generation, OverflowReport]:
+    def _refused(self, tags: RequestTags, status: int, error: BaseException) -> None:
+        self.metrics.count_request(status)
+        kind = "abort" if status == 499 else "refuse"
+        self.state.events.record_tags(kind, tags, None, {"status": status, "code": getattr(error, "code", None),
+                                                         "message": str(getattr(error, "message", error))[:300]})
+
+    async def _start(self, job: Job, body, tenant: Tenant, api_id: str,
+                     tags: RequestTags) -> tuple[Generation, OverflowReport]:
         """Submit on the requested model; a prompt over its window gets the request's overflow
         policy (fallback: the next model; truncate / semantic: fitted, then submitted again).
         Then book its tokens against the tenant's tokens per minute."""
@@ -327,7 +380,7 @@ class _Serving:
         candidates = self.state.route(body.model)
         for k, engine in enumerate(candidates):
             try:
-                gen = await self._submit(engine, job, api_id, tenant)
+                gen = await self._submit(engine, job, api_id, tenant, tags)
                 report = OverflowReport(policy, fell_back_from=candidates[k - 1].name if k else None)
                 return self._book(gen, tenant, job), report
             except ContextLengthExceeded as e:
@@ -336,23 +389,25 @@ class _Serving:
                              candidates[k + 1].name)
                     continue
                 if policy in FITTING_POLICIES:
-                    return await self._fit_and_start(engine, job, policy, api_id, tenant)
+                    return await self._fit_and_start(engine, job, policy, api_id, tenant, tags)
                 raise errors.overflow_error(e, job.prompt_param, policy, has_fallback=len(self.state.engines) > 1) from e
         raise AssertionError("route() returns at least one engine")
 
-    async def _submit(self, engine: AsyncEngine, job: Job, api_id: str, tenant: Tenant) -> Generation:
+    async def _submit(self, engine: AsyncEngine, job: Job, api_id: str, tenant: Tenant,
+                      tags: RequestTags) -> Generation:
         try:
-            return await submit(engine, job, api_id, tenant.namespace, tenant.share)
+            return await submit(engine, job, api_id, tenant.namespace, tenant.share, tags)
         except (ContextLengthExceeded, APIError):
             raise
         except Exception as e:  # noqa: BLE001 - every refusal becomes its API error
             raise errors.from_engine_error(e, job.prompt_param) from e
 
-    async def _fit_and_start(self, engine: AsyncEngine, job: Job, policy: str, api_id: str, tenant: Tenant):
+    async def _fit_and_start(self, engine: AsyncEngine, job: Job, policy: str, api_id: str, tenant: Tenant,
+                             tags: RequestTags):
         """Fit the prompts to `engine`'s window (context toolkit, off the event loop), submit."""
         try:
             fitted, report = await asyncio.to_thread(fit_job, job, engine, policy)
-            gen = await self._submit(engine, fitted, api_id, tenant)
+            gen = await self._submit(engine, fitted, api_id, tenant, tags)
         except ContextLengthExceeded as e:  # the parts the policy keeps are already too long
             raise errors.from_engine_error(e, job.prompt_param) from e
         except ValueError as e:
@@ -372,3 +427,7 @@ class _Serving:
     def _settled(self, call: Call, tenant: Tenant) -> None:
         self.limiter.refund(tenant, call.gen.num_booked_tokens - call.gen.num_used_tokens)
         self.state.in_flight -= 1
+        if self.request_log is not None:
+            self.request_log.write(record_of(call.gen, call.tags.request_id, tenant.name, call.status))
+        if self.crash is not None and call.status >= 500:
+            self.crash.on_5xx(call)

@@ -13,7 +13,8 @@ next step runs.
 
 Monitoring never waits on the engine: after each step (at most PUBLISH_INTERVAL_S apart,
 and whenever the engine goes idle) the thread publishes an `EngineStats` snapshot that
-/metrics reads as it is. An exception escaping `Engine.step` is fatal: the engine is marked
+/metrics reads as it is, and a `MemoryView` (the pool and who owns its blocks: request id,
+tenant, trace id, age, risk; ctxwarden.server.owners) that /debug/memory reads. An exception escaping `Engine.step` is fatal: the engine is marked
 failed, every live request ends with an error at once, later submissions raise
 EngineFailed, and `on_failure` tells the server (which turns /health to 503 and exits
 non-zero so a supervisor restarts it). Per-request failures inside a step (a bad forward)
@@ -33,6 +34,8 @@ from typing import Any, Callable
 
 from ctxwarden.errors import EngineFailed
 from ctxwarden.request import FinishReason, StepOutput
+from ctxwarden.server.attention import AttentionResults
+from ctxwarden.server.owners import OwnerBook, RequestTags, memory_view
 
 log = logging.getLogger("ctxwarden.server.engine")
 
@@ -58,6 +61,7 @@ class _Submit:
     share: Any  # TenantShare
     sink: Callable[[StepOutput], None]
     future: concurrent.futures.Future
+    tags: RequestTags | None = None
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,10 @@ class AsyncEngine:
         self.on_failure = on_failure
         self.failure: str | None = None  # set once, when the loop dies
         self.stats = engine.stats()  # the latest published snapshot
+        self.book = OwnerBook(name)  # engine thread only
+        self.events = None  # server.events.EventRing: set by the app; None records nothing
+        self.attention = AttentionResults(name)  # sampled requests' attention (engine thread writes)
+        self.memory = memory_view(engine, self.stats, self.book)  # the latest published owners
         self._published_at = time.monotonic()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Callable[[StepOutput], None]] = {}
@@ -119,8 +127,11 @@ class AsyncEngine:
     # --- the asyncio side -------------------------------------------------------------------
 
     async def submit(self, prompt, params, request_id: str, namespace: str,
-                     outputs: asyncio.Queue, share=None) -> Admitted:
-        """Queue a request; its StepOutputs arrive on `outputs`. Raises the engine's refusal."""
+                     outputs: asyncio.Queue, share=None, tags: RequestTags | None = None) -> Admitted:
+        """Queue a request; its StepOutputs arrive on `outputs`. Raises the engine's refusal.
+
+        `tags` (request id, tenant, trace id) name the request in /debug/memory's owners.
+        """
         if self.failure is not None:
             raise EngineFailed(self.failure)
         loop = asyncio.get_running_loop()
@@ -132,7 +143,7 @@ class AsyncEngine:
                 pass
 
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(_Submit(prompt, params, request_id, namespace, share, sink, future))
+        self._commands.put(_Submit(prompt, params, request_id, namespace, share, sink, future, tags))
         return await asyncio.wrap_future(future)
 
     def abort(self, request_id: str) -> None:
@@ -181,6 +192,7 @@ class AsyncEngine:
         now = time.monotonic()
         if force or not self._has_work() or now - self._published_at >= PUBLISH_INTERVAL_S:
             self.stats, self._published_at = self.engine.stats(), now
+            self.memory = memory_view(self.engine, self.stats, self.book)
 
     def _apply(self, command) -> None:
         if isinstance(command, _Submit):
@@ -201,6 +213,9 @@ class AsyncEngine:
             c.future.set_exception(e)
             return
         self._sinks[c.request_id] = c.sink
+        tags = c.tags or RequestTags(c.request_id, getattr(c.share, "name", "default"))
+        self.book.admit(c.request_id, tags, req.arrival_s)
+        self._event("admit", tags, {"engine_request_id": c.request_id, "prompt_tokens": req.num_prompt_tokens})
         c.future.set_result(Admitted(c.request_id, req.num_prompt_tokens))
 
     def _step(self) -> None:
@@ -210,7 +225,11 @@ class AsyncEngine:
         except Exception as e:  # noqa: BLE001 - fatal: loud, never a hang
             self._fail(f"{type(e).__name__}: {e}")
             return
+        if self.events is not None:
+            self._record_work(getattr(self.engine, "last_work", None))
         for out in outputs:
+            if out.finished:  # recorded before the client can hear of it (a crash bundle reads it)
+                self._record_end(out)
             sink = self._sinks.get(out.request_id)
             if sink is not None:
                 sink(out)
@@ -218,11 +237,52 @@ class AsyncEngine:
                 self._sinks.pop(out.request_id, None)
         self.engine.release_finished()
 
+    # --- events (engine thread) ---------------------------------------------------------------
+
+    def _event(self, kind: str, tags, detail: dict | None = None) -> None:
+        if self.events is not None:
+            self.events.record_tags(kind, tags, self.name, detail)
+
+    def _record_work(self, work) -> None:
+        """schedule (first chunk), preempt and swap events of the step just run."""
+        if work is None:
+            return
+        for s in work.scheduled:
+            rid = s.request.request_id
+            if self.book.first_schedule(rid):
+                self._event("schedule", self.book.tags_of(rid), {"engine_request_id": rid,
+                            "cached_tokens": s.request.num_cached_tokens, "num_new_tokens": s.num_new_tokens})
+        for p in work.preempted:
+            rid = p.request.request_id
+            self._event("preempt", self.book.tags_of(rid), {"engine_request_id": rid, "mode": p.mode,
+                        "blocks": p.block_tables.num_held_blocks})
+        for w in work.swapped_in:
+            rid = w.request.request_id
+            self._event("swap", self.book.tags_of(rid), {"engine_request_id": rid, "direction": "in",
+                        "blocks": w.block_tables.num_held_blocks})
+
+    def _record_end(self, out: StepOutput) -> None:
+        """The choice's finish, abort or error event, then its finish time in the book."""
+        reason = out.finish_reason
+        kind = "error" if (out.error or reason is FinishReason.ERROR) else \
+            "abort" if reason is FinishReason.ABORT else "finish"
+        detail = {"engine_request_id": out.request_id, "reason": str(reason) if reason else None,
+                  "prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens}
+        if out.error:
+            detail["error"] = out.error[:300]
+        tags = self.book.tags_of(out.request_id)
+        self._event(kind, tags, detail)
+        self.book.finish(out.request_id)
+        done = getattr(self.engine, "attention_done", None)
+        if done and out.request_id in done:
+            self.attention.add(out.request_id, tags, done.pop(out.request_id))
+
     def _fail(self, message: str) -> None:
         """The engine loop is dead: end every live request with an error and say so once."""
         log.critical("engine %s failed: %s; ending %d live request(s); the server must restart",
                      self.name, message, len(self._sinks), exc_info=True)
         self.failure = message
+        self._event("error", None, {"fatal": True, "message": message[:300]})
         self._abort_all(FinishReason.ERROR, flush=False)
         if self.on_failure is not None:
             try:
@@ -247,7 +307,9 @@ class AsyncEngine:
                 self.engine.abort(request_id)
             except Exception:  # noqa: BLE001 - keep ending the others
                 log.exception("abort of %s failed", request_id)
-            sink(StepOutput(request_id, (), "", True, reason, 0, 0, 0, error=error))
+            out = StepOutput(request_id, (), "", True, reason, 0, 0, 0, error=error)
+            self._record_end(out)
+            sink(out)
         self._sinks.clear()
         if not flush:
             return

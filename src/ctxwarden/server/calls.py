@@ -46,6 +46,7 @@ class Call:
     status: int = 499
     is_settled: bool = False
     is_abandoned: bool = False
+    tags: Any = None  # server.owners.RequestTags: exemplars on the latency histograms
 
     @property
     def top_k(self) -> int | None:
@@ -158,12 +159,14 @@ class Call:
         log.info("%s: finished with status %d", self.api_id, self.status)
 
     def _observe_latency(self) -> None:
+        exemplar = self.metrics.exemplar(self.tags)
         for c in self.gen.choices:
             if c.first_token_s is None:
                 continue
-            self.metrics.time_to_first_token.observe(c.first_token_s - self.gen.arrival_s)
+            self.metrics.time_to_first_token.observe(c.first_token_s - self.gen.arrival_s, exemplar)
             if c.finished_s is not None and len(c.token_ids) > 1:
-                self.metrics.time_per_output_token.observe((c.finished_s - c.first_token_s) / (len(c.token_ids) - 1))
+                self.metrics.time_per_output_token.observe(
+                    (c.finished_s - c.first_token_s) / (len(c.token_ids) - 1), exemplar)
 
 
 def context_headers(engine, num_prompt_tokens: int) -> dict[str, str]:

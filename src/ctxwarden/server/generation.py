@@ -153,8 +153,12 @@ class Generation:
         return len(self.choices) // len({c.prompt_index for c in self.choices})
 
 
-async def submit(engine: AsyncEngine, job: Job, api_id: str, namespace: str, share=None) -> Generation:
-    """Queue every choice of `job` on `engine`; all or nothing (refusals propagate)."""
+async def submit(engine: AsyncEngine, job: Job, api_id: str, namespace: str, share=None,
+                 tags=None) -> Generation:
+    """Queue every choice of `job` on `engine`; all or nothing (refusals propagate).
+
+    `tags` (server.owners.RequestTags) name every choice in the memory owners and events.
+    """
     gen = Generation(engine, [], asyncio.Queue(), time.monotonic())
     try:
         for p in range(len(job.prompts)):
@@ -164,7 +168,8 @@ async def submit(engine: AsyncEngine, job: Job, api_id: str, namespace: str, sha
                 params = job.params_for(engine, prompt, j)
                 choice = Choice(index, p, f"{api_id}-{index}", num_prompt_tokens=0, max_tokens=params.max_tokens)
                 gen.choices.append(choice)  # before the await: a cancelled submit is aborted too
-                admitted = await engine.submit(prompt, params, choice.request_id, namespace, gen.outputs, share)
+                admitted = await engine.submit(prompt, params, choice.request_id, namespace, gen.outputs, share,
+                                             tags)
                 choice.num_prompt_tokens = admitted.num_prompt_tokens
     except BaseException:
         gen.abort_unfinished()

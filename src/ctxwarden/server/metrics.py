@@ -8,12 +8,14 @@ outcomes and latencies are counted by the server as they happen.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from ctxwarden.kv.tiers.breaker import STATE_VALUES
 from ctxwarden.kv.tiers.stats import DECISIONS, FETCH_BUCKETS_S
 from ctxwarden.kv.tiers.value import INTEGRITY_REASONS
 
+EXEMPLAR_ID_CHARS = 64  # + "request_id" + "trace_id" + a 32-hex trace id stays under 128
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 _GAUGES = (  # name, help, stats -> value
@@ -130,6 +132,51 @@ class _EngineCollector:
         return []  # collected lazily: the snapshot is set just before each scrape
 
 
+class _DiagnosticsCollector:
+    """KV blocks by owner risk (from each engine's published MemoryView) and this process's
+    memory (from the sampler's latest sample): nothing is read or computed at scrape time."""
+
+    RISKS = ("OK", "HIGH", "CRITICAL")
+
+    def __init__(self):
+        self.views: dict[str, object] = {}  # model -> server.owners.MemoryView
+        self.attention: dict[str, object] = {}  # model -> server.attention.AttentionResults
+        self.sample: dict | None = None
+
+    def collect(self):
+        owners = GaugeMetricFamily("ctxwarden_kv_owner_blocks", "KV blocks by owner risk: OK (live or just "
+                                   "finished), HIGH (finished > 2x p99 latency ago), CRITICAL (no owner).",
+                                   labels=["model", "risk"])
+        for model, view in self.views.items():
+            for risk in self.RISKS:
+                owners.add_metric([model, risk], float(sum(o.blocks for o in view.owners if o.risk == risk)))
+        yield owners
+        for key, help_text in (("leak_basis_bytes", "RssAnon + VmSwap of the server process (last 1 Hz sample)."),
+                               ("rss_anon_bytes", "RssAnon of the server process (last sample)."),
+                               ("swap_bytes", "VmSwap of the server process (last sample).")):
+            family = GaugeMetricFamily(f"ctxwarden_process_{key}", help_text)
+            if self.sample is not None:
+                family.add_metric([], float(self.sample[key]))
+            yield family
+        sampled = CounterMetricFamily("ctxwarden_attention_sampled_requests", "Requests whose attention was "
+                                      "monitored (--attention-sample-rate).", labels=["model"])
+        alerts = CounterMetricFamily("ctxwarden_attention_collapse_alerts", "Heads of monitored requests whose "
+                                     "entropy fell far below their calibrated baseline.", labels=["model"])
+        for model, results in self.attention.items():
+            sampled.add_metric([model], float(results.num_sampled))
+            alerts.add_metric([model], float(results.num_alerts))
+        yield sampled
+        yield alerts
+        kills = GaugeMetricFamily("ctxwarden_cgroup_oom_kills", "OOM kills the memory cgroup has recorded "
+                                  "(memory.events oom_kill; absent without a memory cgroup).")
+        if self.sample is not None and self.sample.get("oom_kill") is not None:
+            kills.add_metric([], float(self.sample["oom_kill"]))
+        yield kills
+
+    def describe(self):
+        return []
+
+
 class ServerMetrics:
     """The app's registry: engine snapshots plus request counters and latency histograms."""
 
@@ -137,6 +184,8 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self._engines = _EngineCollector()
         self.registry.register(self._engines)
+        self._diagnostics = _DiagnosticsCollector()
+        self.registry.register(self._diagnostics)
         self.requests = Counter("ctxwarden_requests", "Completion requests by final HTTP status "
                                 "(499: the client went away).", ["status"], registry=self.registry)
         self.abandoned = Counter("ctxwarden_requests_abandoned", "Non-streaming requests whose client "
@@ -157,3 +206,26 @@ class ServerMetrics:
         """Prometheus text for the given per-model EngineStats snapshots."""
         self._engines.snapshots = snapshots
         return generate_latest(self.registry)
+
+    def render_negotiated(self, snapshots: dict[str, object], accept: str | None, views: dict | None = None,
+                          sample: dict | None = None, attention: dict | None = None) -> tuple[bytes, str]:
+        """(body, content type): OpenMetrics if `accept` asks for it, else Prometheus text.
+        `views` (model -> MemoryView) and `sample` (the latest memory sample) feed the
+        owner-risk and process-memory gauges."""
+        self._diagnostics.views, self._diagnostics.sample = views or {}, sample
+        self._diagnostics.attention = attention or {}
+        if accept and "application/openmetrics-text" in accept:
+            self._engines.snapshots = snapshots
+            return openmetrics.generate_latest(self.registry), openmetrics.CONTENT_TYPE_LATEST
+        return self.render(snapshots), "text/plain; version=0.0.4; charset=utf-8"
+
+    @staticmethod
+    def exemplar(tags) -> dict[str, str] | None:
+        """Exemplar labels of a request: its id (cut to fit) and trace id (OpenMetrics
+        allows 128 characters of exemplar labels in all)."""
+        if tags is None:
+            return None
+        out = {"request_id": tags.request_id[:EXEMPLAR_ID_CHARS]}
+        if tags.trace_id:
+            out["trace_id"] = tags.trace_id
+        return out

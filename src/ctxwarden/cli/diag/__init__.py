@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-HELP = "Diagnostics: request lengths, SLO risk, memory snapshots and diffs, slow-leak detection."
+HELP = "Diagnostics: request lengths, SLO risk, memory snapshots and diffs, slow-leak detection, timeline, attention."
 
 # name -> module under ctxwarden.cli.diag
 SUBCOMMANDS = {
@@ -17,6 +17,8 @@ SUBCOMMANDS = {
     "slo-risk": "slo_risk",
     "mem": "mem",
     "leak": "leak",
+    "timeline": "timeline",
+    "attention": "attention",
 }
 
 

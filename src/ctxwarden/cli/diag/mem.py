@@ -20,6 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sub.required = True
     snap = sub.add_parser("snapshot", help="snapshot one process (default: this command itself)")
     snap.add_argument("--pid", type=int, default=None, help="process to snapshot (default: this one)")
+    add_url_arguments(snap)
     snap.add_argument("--cgroup-root", default="/sys/fs/cgroup", help="where the cgroup hierarchy is mounted")
     snap.add_argument("--out", default=None, metavar="FILE", help="also write the JSON to FILE")
     snap.add_argument("--json", action="store_true", help="print the JSON snapshot")
@@ -30,6 +31,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     diff.add_argument("--json", action="store_true", help="machine-readable output")
 
 
+def add_url_arguments(p: argparse.ArgumentParser) -> None:
+    """--url and --api-key: read a running server's /debug/memory instead of a pid."""
+    p.add_argument("--url", default=None, help="a running `ctxwarden serve`: read its /debug/memory (KV pool and "
+                   "owners included)")
+    p.add_argument("--api-key", default=None, help="--url: an admin key of the server's --api-keys file "
+                   "(default: $CTXWARDEN_API_KEY; none needed on loopback without a key file)")
+
+
+def fetch_server_json(url: str, path: str, api_key: str | None, params: dict | None = None) -> dict:
+    """GET url + path (a /debug endpoint) as JSON; errors name the server's own message."""
+    import os
+
+    import httpx
+
+    key = api_key or os.environ.get("CTXWARDEN_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        r = httpx.get(url.rstrip("/") + path, headers=headers, params=params, timeout=30)
+    except httpx.TransportError as e:
+        raise ValueError(f"cannot reach {url}: {e}; is `ctxwarden serve` running there?") from None
+    if r.status_code != 200:
+        try:
+            message = r.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = r.text[:200]
+        raise ValueError(f"{url}{path} answered {r.status_code}: {message}")
+    return r.json()
+
+
 def run(args: argparse.Namespace) -> int:
     """Dispatch to snapshot or diff."""
     return _snapshot(args) if args.mem_command == "snapshot" else _diff(args)
@@ -38,7 +68,12 @@ def run(args: argparse.Namespace) -> int:
 def _snapshot(args) -> int:
     from ctxwarden.diagnostics.snapshot import take_snapshot
 
-    snap = take_snapshot(args.pid, args.cgroup_root).to_dict()
+    if args.url and args.pid is not None:
+        raise ValueError("give --url (a server's snapshot) or --pid (a local process), not both")
+    if args.url:
+        snap = fetch_server_json(args.url, "/debug/memory", args.api_key)
+    else:
+        snap = take_snapshot(args.pid, args.cgroup_root).to_dict()
     text = json.dumps(snap, indent=2)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
@@ -76,10 +111,36 @@ def _render_snapshot(snap: dict, out: str | None) -> None:
         for kind, v in (cg["pressure"] or {}).items():
             g.add_row(f"pressure {kind} ({cg['pressure_scope']})", f"avg10 {v['avg10']:.2f}% avg60 {v['avg60']:.2f}%")
         c.print(g)
+    _render_kv(c, snap)
     for note in snap["notes"]:
         c.print(f"[yellow]note:[/yellow] {note}")
     if out:
         c.print(f"snapshot written to {out}")
+
+
+def _render_kv(c, snap: dict) -> None:
+    from rich.table import Table
+
+    kv = snap.get("kv")
+    if kv:
+        c.print(f"KV pool: {kv['num_blocks_in_use']:,} of {kv['num_blocks_total']:,} blocks in use "
+                f"({_mib(kv['in_use_bytes'])} of {_mib(kv['total_bytes'])}), {kv['num_blocks_cached']:,} cached, "
+                f"{kv['num_blocks_free']:,} free; external fragmentation {kv['external_fragmentation']:.1%}, "
+                f"host swap {_mib(kv['host_swap_bytes'])}", highlight=False)
+    owners = snap.get("owners") or []
+    if not owners:
+        if kv:
+            c.print("KV owners: none (no request holds blocks)")
+        return
+    t = Table(title="KV owners (worst first)")
+    for col in ("risk", "request id", "tenant", "state", "blocks", "age", "trace id"):
+        t.add_column(col, justify="right" if col in ("blocks", "age") else "left")
+    rank = {"CRITICAL": 0, "HIGH": 1, "OK": 2}
+    for o in sorted(owners, key=lambda o: (rank.get(o["risk"], 3), -o["age_s"])):
+        t.add_row(o["risk"], str(o["request_id"] or f"(none: {o.get('engine_request_id') or 'no sequence'})"),
+                  str(o["tenant"] or "-"), o["state"], f"{o['blocks']:,}", f"{o['age_s']:.1f} s",
+                  o.get("trace_id") or "-")
+    c.print(t)
 
 
 def _diff(args) -> int:

@@ -1,0 +1,81 @@
+"""The attention monitor against transformers' eager attentions (fp32) on random checkpoints.
+
+Per head: entropy normalised by log(visible keys) and sink mass within 1e-4 of a numpy
+reference computed from `output_attentions=True`; the sink rate equal; rollout rows sum to 1
+and equal the numpy product; the mass by decile sums to 1. The monitor leaves the model's
+output bit-identical (it only observes).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ctxwarden.engine.config import EngineConfig
+from ctxwarden.engine.engine import Engine
+from ctxwarden.runner.attention_probe import probe_attention
+from ctxwarden.sampling import SamplingParams
+
+ARCH_OPTIONS = {
+    "llama": {},
+    "qwen2": {},  # q/k/v biases
+    "gemma2": {"sliding_window": 8},  # soft-capping, sliding layers
+}
+
+
+def _reference(ids: list[int], model_dir) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():
+        attentions = model(torch.tensor([ids]), output_attentions=True).attentions
+    n = len(ids)
+    layers, rollout, last_rows = [], np.eye(n), []
+    for a in (x[0].double().numpy() for x in attentions):  # [H, n, n]
+        visible = (a > 0).sum(-1)  # [H, n] keys with nonzero weight (= the mask here)
+        h = -np.where(a > 0, a * np.log(np.where(a > 0, a, 1.0)), 0.0).sum(-1)
+        rows = visible[0] > 1
+        layers.append({"entropy": (h[:, rows] / np.log(visible[:, rows])).mean(-1), "sink_mass": a[:, :, 0].mean(-1),
+                       "alpha": a[:, 1:, 0].mean(-1)})
+        step = 0.5 * a.mean(0) + 0.5 * np.eye(n)
+        rollout = (step / step.sum(-1, keepdims=True)) @ rollout
+        last_rows.append(a.mean(0)[-1])
+    return {"layers": layers, "rollout": rollout, "last_row": np.mean(last_rows, 0),
+            "sink_rate": float(np.mean([layer["alpha"] > 0.3 for layer in layers]))}
+
+
+@pytest.mark.parametrize("arch", list(ARCH_OPTIONS))
+def test_entropy_sink_mass_rollout_match_transformers_eager(tiny_model, arch):
+    model_dir = tiny_model(arch, **ARCH_OPTIONS[arch])
+    engine = Engine(EngineConfig.build(model=str(model_dir), kv_memory="8MiB", attention_sample_rate=1.0,
+                                       enable_prefix_caching=False))
+    ids = [1 + (37 * j + 11) % 250 for j in range(45)]
+    got = probe_attention(engine, ids).to_dict()
+    want = _reference(ids, model_dir)
+    for l, layer in enumerate(want["layers"]):
+        np.testing.assert_allclose([h["entropy"] for h in got["layers"][l]], layer["entropy"], atol=1e-4, rtol=0)
+        np.testing.assert_allclose([h["sink_mass"] for h in got["layers"][l]], layer["sink_mass"], atol=1e-4, rtol=0)
+    assert got["sink_rate"] == pytest.approx(want["sink_rate"], abs=1e-12)
+    last = np.array(got["rollout_last_row"])
+    np.testing.assert_allclose(last, want["rollout"][-1], atol=1e-6)
+    assert last.sum() == pytest.approx(1.0, abs=1e-9)
+    bins = (np.arange(len(ids)) * 10) // len(ids)
+    np.testing.assert_allclose(got["position_mass"], [want["last_row"][bins == b].sum() for b in range(10)], atol=1e-6)
+
+
+def test_the_monitor_changes_no_output(tiny_model):
+    model_dir = tiny_model("llama")
+    ids = [1 + (13 * j) % 250 for j in range(30)]
+    outs = []
+    for rate in (0.0, 1.0):
+        engine = Engine(EngineConfig.build(model=str(model_dir), kv_memory="8MiB", attention_sample_rate=rate))
+        engine.add_request(ids, SamplingParams(max_tokens=8, temperature=0.0, logprobs=1), request_id="r")
+        tokens, logprobs = [], []
+        while engine.has_unfinished_requests:
+            for out in engine.step():
+                tokens += out.new_token_ids
+                logprobs += [lp.logprob for lp in out.new_logprobs]
+        outs.append((tokens, logprobs))
+        assert (engine.attention is None) == (rate == 0.0)
+    assert outs[0] == outs[1]

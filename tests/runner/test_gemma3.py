@@ -107,3 +107,25 @@ def test_gemma3_engine_under_pressure_gives_transformers_greedy_text(gemma3_dir,
             assert list(out.token_ids) == ref[0, len(prompt):].tolist()
     assert tight.engine.stats().kv.num_blocks_in_use == 0
     assert tight.engine.audit().is_clean
+
+
+@pytest.mark.parametrize("prefix", ["language_model.model.", "model.language_model."])
+def test_a_multimodal_wrapper_runs_its_text_model(gemma3_dir, hf_gemma3, tmp_path, prefix):
+    """Gemma-3 4B and up ship as `gemma3` wrappers: the text model's config under
+    `text_config`, its tensors under a prefix (hub files: language_model.model.*;
+    transformers 5.x saves model.language_model.*), next to a vision tower we do not run."""
+    from safetensors.torch import load_file, save_file
+
+    text_config = json.loads((gemma3_dir / "config.json").read_text())
+    wrapper = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+               "text_config": text_config, "vision_config": {"model_type": "siglip_vision_model"}}
+    (tmp_path / "config.json").write_text(json.dumps(wrapper))
+    tensors = {prefix + k.removeprefix("model."): v
+               for k, v in load_file(gemma3_dir / "model.safetensors").items()}
+    tensors["vision_tower.vision_model.post_layernorm.weight"] = torch.ones(8)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    ref = hf_reference(hf_gemma3, prompt_ids(40, 512), 8)
+    runner = make_runner(tmp_path, 16, 40 + 8 + 1)
+    assert runner.spec.model_type == "gemma3_text" and runner.spec.tie_word_embeddings
+    ours = paged_run(runner, prompt_ids(40, 512), 8)
+    assert max_diff(ours, ref) < TOL and ours.tokens == ref.tokens

@@ -38,11 +38,16 @@ _FLAGS = {
                                  "while a less-served tenant decodes (default: one decode step's worth)"),
     "kv_tiers": ("--kv-tiers", "KV tiers beyond the pool, e.g. ram:4GiB,disk:/path:20GiB,redis://127.0.0.1:6379 "
                  "(off unless named; see docs/kv-tiers.md)"),
+    "rope_scaling": ("--rope-scaling", "RoPE scaling as transformers' rope_scaling JSON, e.g. "
+                     "'{\"rope_type\": \"yarn\", \"factor\": 4}' (linear, dynamic, yarn, longrope, llama3); "
+                     "the window becomes trained x factor"),
+    "allow_long_max_model_len": ("--allow-long-max-model-len", "allow --max-model-len past the model's window "
+                                 "without RoPE scaling (every response then says so in a header)"),
     "kv_tier_fetch": ("--kv-tier-fetch", "auto: fetch from a tier only where the cost model says it beats "
                       "recomputing; always: fetch whatever a tier holds"),
 }
 _FLOATS = ("max_queue_delay_s",)
-_TEXT_FIELDS = {"model": "MODEL", "kv_tiers": "TIERS"}  # free text, not a number
+_TEXT_FIELDS = {"model": "MODEL", "kv_tiers": "TIERS", "rope_scaling": "JSON"}  # free text, not a number
 _CHOICES = {"dtype": ACTIVATION_DTYPES + ("float32", "bfloat16", "float16"),
             "kv_dtype": RUNNER_KV_DTYPES + ("float32", "bfloat16", "float16", "fp8", "float8_e4m3fn",
                                          "float8_e5m2"),

@@ -21,9 +21,14 @@ _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ctxwarden.cli._engine_args import add_engine_arguments
     from ctxwarden.engine.config import SERVER_MAX_QUEUE_DELAY_S, SERVER_MAX_WAITING
+    from ctxwarden.server.overflow import OVERFLOW_POLICIES
 
     p.add_argument("--fallback-model", default=None,
                    help="a larger-window model that serves prompts over --model's window (same engine options)")
+    p.add_argument("--on-overflow", default=None, choices=OVERFLOW_POLICIES,
+                   help="what a prompt over the window gets unless the request says (ctxwarden.on_overflow): "
+                        "error (400), truncate-head, truncate-middle, keep-tail-semantic, fallback "
+                        "(default: fallback with --fallback-model, else error)")
     p.add_argument("--served-model-name", default=None, help="the primary model's id in the API")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
@@ -45,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
 
     _check_exposure(args)
     config = ServerConfig(engine=engine_config_from_args(args), fallback_model=args.fallback_model,
-                          served_model_name=args.served_model_name, api_keys=args.api_keys,
+                          on_overflow=args.on_overflow, served_model_name=args.served_model_name, api_keys=args.api_keys,
                           max_body_bytes=args.max_body_bytes, drain_timeout_s=args.drain_timeout)
     _configure_logging(args.log_level, RequestIdLogFilter())
     app = create_app(config)

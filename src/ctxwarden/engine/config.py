@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, fields
 
 from ctxwarden.kv.tiers.config import TiersConfig, parse_tiers
+from ctxwarden.spec.rope_scaling import parse_rope_scaling
 from ctxwarden.spec.dtypes import ACTIVATION_DTYPES, canonical_dtype
 from ctxwarden.units import parse_bytes
 
@@ -52,8 +53,12 @@ class EngineConfig:
     kv_tiers: TiersConfig | str | None = None  # 'ram:4GiB,disk:/path:20GiB,redis://host:6379'
     kv_tier_fetch: str = "auto"  # auto: fetch only where the cost model says it beats recompute
     weights: str | None = None  # WEIGHTS_MODES; None: $CTXWARDEN_WEIGHTS, else auto
+    # transformers' rope_scaling / rope_parameters dict (or its JSON): replaces the file's RoPE
+    rope_scaling: dict | str | None = None
+    allow_long_max_model_len: bool = False  # max_model_len past the model's window, unscaled
 
     def __post_init__(self):
+        object.__setattr__(self, "rope_scaling", parse_rope_scaling(self.rope_scaling))
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype, ACTIVATION_DTYPES))
         kv = self.dtype if self.kv_dtype is None else self.kv_dtype
         object.__setattr__(self, "kv_dtype", canonical_dtype(kv, RUNNER_KV_DTYPES, "kv_dtype"))

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ctxwarden.engine.config import EngineConfig
 from ctxwarden.engine.outputs import OutputProcessor, output_of
@@ -35,6 +36,7 @@ from ctxwarden.runner.model_runner import ModelRunner, RunnerConfig
 from ctxwarden.sampling import SamplingParams
 from ctxwarden.scheduler import PreemptionCost, ScheduledSeq, Scheduler, SchedulerConfig
 from ctxwarden.spec.checkpoint import Checkpoint, resolve_checkpoint
+from ctxwarden.spec.rope_scaling import ScaledWindow, apply_rope_scaling, scaled_window, trained_window
 
 log = logging.getLogger("ctxwarden.engine")
 
@@ -63,7 +65,7 @@ class Engine:
 
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.checkpoint = resolve_checkpoint(config.model)
+        self.checkpoint, self.window = _scaled_checkpoint(resolve_checkpoint(config.model), config)
         self.spec = self.checkpoint.spec
         self.num_blocks = self._plan_num_blocks()
         self.runner = ModelRunner(self.checkpoint, RunnerConfig(
@@ -133,8 +135,14 @@ class Engine:
 
     @property
     def max_model_len(self) -> int:
-        """The model's context window: prompt + max_tokens must fit (except in sink mode)."""
-        return self.config.max_model_len or self.spec.max_position_embeddings
+        """The window admitted against: prompt + max_tokens must fit (except in sink mode)."""
+        return self.config.max_model_len or self.window.window_tokens
+
+    @property
+    def is_past_trained_window(self) -> bool:
+        """max_model_len was raised past the model's window without RoPE scaling (allowed
+        by allow_long_max_model_len): positions past the window were never trained."""
+        return self.max_model_len > self.window.window_tokens
 
     # --- requests ---------------------------------------------------------------------------
 
@@ -296,6 +304,35 @@ def _leaked_blocks(audit: AuditReport | None) -> int:
     if audit is None:
         return 0
     return sum(o.num_blocks for o in audit.owners if not o.is_live)
+
+
+def _scaled_checkpoint(checkpoint: Checkpoint, config: EngineConfig) -> tuple[Checkpoint, ScaledWindow]:
+    """The checkpoint with `config.rope_scaling` applied, and the window it gives.
+
+    A max_model_len past that window is refused unless allow_long_max_model_len says the
+    user knows the model will see positions it was never trained on.
+    """
+    spec = checkpoint.spec
+    if config.rope_scaling is None:
+        window = ScaledWindow(spec.rope.rope_type, 1.0, trained_window(spec), spec.max_position_embeddings)
+    else:
+        window = scaled_window(spec, config.rope_scaling)
+        checkpoint = replace(checkpoint, spec=apply_rope_scaling(spec, config.rope_scaling))
+    if config.max_model_len and config.max_model_len > window.window_tokens and not config.allow_long_max_model_len:
+        how = ("with RoPE scaling, e.g. --rope-scaling '{\"rope_type\": \"yarn\", \"factor\": %g}'"
+               % math.ceil(config.max_model_len / window.trained_tokens) if config.rope_scaling is None
+               else "with a larger rope_scaling factor")
+        raise ValueError(f"max_model_len {config.max_model_len} is past the model's window of "
+                         f"{window.window_tokens} tokens ({_window_origin(window, config)}); extend it {how}, "
+                         "or pass --allow-long-max-model-len (allow_long_max_model_len=True) to serve "
+                         "positions the model was never trained on")
+    return checkpoint, window
+
+
+def _window_origin(window: ScaledWindow, config: EngineConfig) -> str:
+    if config.rope_scaling is None:
+        return "max_position_embeddings, no RoPE scaling"
+    return f"trained {window.trained_tokens} x {window.rope_type} factor {window.factor:g}"
 
 
 def _load_tokenizer(checkpoint: Checkpoint):

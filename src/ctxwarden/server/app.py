@@ -29,6 +29,7 @@ from ctxwarden.server.calls import Call, EventStreamResponse
 from ctxwarden.server.errors import APIError, unavailable
 from ctxwarden.server.generation import Generation, Job, submit
 from ctxwarden.server.metrics import ServerMetrics
+from ctxwarden.server.overflow import FITTING_POLICIES, OverflowReport, check_policy, fit_job
 from ctxwarden.server.middleware import RequestContextMiddleware, RequestIdLogFilter, request_id_var
 from ctxwarden.server.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                                        CompletionRequest, CompletionResponse, ErrorResponse,
@@ -41,7 +42,8 @@ __all__ = ["ServerConfig", "ServerState", "create_app", "build_engines", "Reques
 _ERRORS = {s: {"model": ErrorResponse} for s in (400, 401, 404, 413, 429, 500, 503)}
 
 
-_SERVER_FIELDS = ("fallback_model", "served_model_name", "api_keys", "max_body_bytes", "drain_timeout_s")
+_SERVER_FIELDS = ("fallback_model", "on_overflow", "served_model_name", "api_keys", "max_body_bytes",
+                  "drain_timeout_s")
 
 
 def _server_engine_config() -> EngineConfig:
@@ -54,6 +56,7 @@ class ServerConfig:
 
     engine: EngineConfig = field(default_factory=_server_engine_config)
     fallback_model: str | None = None  # same engine options, another model
+    on_overflow: str | None = None  # OVERFLOW_POLICIES; None: fallback with a fallback model, else error
     served_model_name: str | None = None
     api_keys: str | None = None  # path of the key file
     max_body_bytes: int = 4 * 1024 * 1024
@@ -64,6 +67,8 @@ class ServerConfig:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        default = "fallback" if self.fallback_model else "error"
+        object.__setattr__(self, "on_overflow", check_policy(self.on_overflow or default, "on_overflow"))
 
     @classmethod
     def build(cls, **options) -> "ServerConfig":
@@ -201,7 +206,7 @@ def create_app(config: ServerConfig, engines: list[AsyncEngine] | None = None) -
     app.state.admin_of = admin_of  # for the diagnostics routes
     _add_info_routes(app, state, metrics, tenant_of)
     _add_debug_routes(app, state, admin_of)
-    _add_completion_routes(app, _Serving(state, metrics, limiter), tenant_of)
+    _add_completion_routes(app, _Serving(state, metrics, limiter, config.on_overflow), tenant_of)
     return app
 
 
@@ -288,6 +293,7 @@ class _Serving:
     state: ServerState
     metrics: ServerMetrics
     limiter: TokenRateLimiter
+    default_overflow: str = "error"  # ServerConfig.on_overflow
 
     async def serve(self, job: Job, body, tenant: Tenant, prefix: str, receive):
         """Admit, submit and answer one completion request (JSON or a stream)."""
@@ -299,7 +305,7 @@ class _Serving:
             raise
         try:
             api_id = f"{prefix}-{uuid.uuid4().hex}"
-            gen = await self._start(job, body.model, tenant, api_id)
+            gen, overflow = await self._start(job, body, tenant, api_id)
         except BaseException as e:
             self.state.in_flight -= 1
             self.metrics.count_request(e.status if isinstance(e, APIError) else 499)
@@ -307,30 +313,53 @@ class _Serving:
         log.info("%s: %d choice(s) on %s, tenant %s, %d prompt tokens", api_id, len(gen.choices),
                  gen.engine.name, tenant.name, gen.max_prompt_tokens)
         call = Call(self.metrics, gen, api_id, int(time.time()), job, body,
-                    on_settle=lambda c: self._settled(c, tenant))
+                    on_settle=lambda c: self._settled(c, tenant), overflow=overflow)
         if body.stream:
             return EventStreamResponse(call.events(), media_type="text/event-stream", headers=call.headers(),
                                        on_close=call.settle)
         return await call.collect(receive)
 
-    async def _start(self, job: Job, model: str, tenant: Tenant, api_id: str) -> Generation:
-        """Submit on the requested model (an over-window prompt moves on to the fallback),
-        then book its tokens against the tenant's tokens per minute."""
-        candidates = self.state.route(model)
+    async def _start(self, job: Job, body, tenant: Tenant, api_id: str) -> tuple[Generation, OverflowReport]:
+        """Submit on the requested model; a prompt over its window gets the request's overflow
+        policy (fallback: the next model; truncate / semantic: fitted, then submitted again).
+        Then book its tokens against the tenant's tokens per minute."""
+        policy = (body.ctxwarden.on_overflow if body.ctxwarden else None) or self.default_overflow
+        candidates = self.state.route(body.model)
         for k, engine in enumerate(candidates):
             try:
-                gen = await submit(engine, job, api_id, tenant.namespace, tenant.share)
-                return self._book(gen, tenant, job)
+                gen = await self._submit(engine, job, api_id, tenant)
+                report = OverflowReport(policy, fell_back_from=candidates[k - 1].name if k else None)
+                return self._book(gen, tenant, job), report
             except ContextLengthExceeded as e:
-                if k == len(candidates) - 1:
-                    raise errors.from_engine_error(e, job.prompt_param) from e
-                log.info("prompt over %s's window (%d tokens); trying %s", engine.name, e.max_model_len,
-                         candidates[k + 1].name)
-            except APIError:
-                raise
-            except Exception as e:  # noqa: BLE001 - every refusal becomes its API error
-                raise errors.from_engine_error(e, job.prompt_param) from e
+                if policy == "fallback" and k < len(candidates) - 1:
+                    log.info("prompt over %s's window (%d tokens); trying %s", engine.name, e.max_model_len,
+                             candidates[k + 1].name)
+                    continue
+                if policy in FITTING_POLICIES:
+                    return await self._fit_and_start(engine, job, policy, api_id, tenant)
+                raise errors.overflow_error(e, job.prompt_param, policy, has_fallback=len(self.state.engines) > 1) from e
         raise AssertionError("route() returns at least one engine")
+
+    async def _submit(self, engine: AsyncEngine, job: Job, api_id: str, tenant: Tenant) -> Generation:
+        try:
+            return await submit(engine, job, api_id, tenant.namespace, tenant.share)
+        except (ContextLengthExceeded, APIError):
+            raise
+        except Exception as e:  # noqa: BLE001 - every refusal becomes its API error
+            raise errors.from_engine_error(e, job.prompt_param) from e
+
+    async def _fit_and_start(self, engine: AsyncEngine, job: Job, policy: str, api_id: str, tenant: Tenant):
+        """Fit the prompts to `engine`'s window (context toolkit, off the event loop), submit."""
+        try:
+            fitted, report = await asyncio.to_thread(fit_job, job, engine, policy)
+            gen = await self._submit(engine, fitted, api_id, tenant)
+        except ContextLengthExceeded as e:  # the parts the policy keeps are already too long
+            raise errors.from_engine_error(e, job.prompt_param) from e
+        except ValueError as e:
+            raise APIError(400, f"on_overflow {policy!r} cannot fit this prompt: {e}", param=job.prompt_param,
+                           code="context_length_exceeded") from e
+        log.info("%s: %s dropped %d prompt tokens on %s", api_id, policy, report.dropped_tokens, engine.name)
+        return self._book(gen, tenant, fitted), report
 
     def _book(self, gen: Generation, tenant: Tenant, job: Job) -> Generation:
         try:

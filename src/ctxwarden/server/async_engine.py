@@ -95,6 +95,11 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     @property
+    def is_streaming(self) -> bool:
+        """Sink / rolling-window mode: prompts past max_model_len are served."""
+        return self.engine.config.is_unbounded_length
+
+    @property
     def tokenizer(self):
         return self.engine.tokenizer
 

@@ -26,6 +26,7 @@ from ctxwarden.server.errors import APIError, RETRY_AFTER_S
 from ctxwarden.server.generation import Generation, Job
 from ctxwarden.server.metrics import ServerMetrics
 from ctxwarden.server.middleware import request_id_var
+from ctxwarden.server.overflow import OverflowReport
 
 log = logging.getLogger("ctxwarden.server")
 
@@ -41,6 +42,7 @@ class Call:
     job: Job
     body: Any
     on_settle: Callable[["Call"], None]
+    overflow: OverflowReport | None = None  # the overflow policy and what it dropped
     status: int = 499
     is_settled: bool = False
     is_abandoned: bool = False
@@ -50,11 +52,12 @@ class Call:
         return self.job.sampling.get("logprobs")
 
     def headers(self) -> dict[str, str]:
-        """Context headers: the window, the tokens the prompt uses, and what is left."""
-        window, used = self.gen.engine.max_model_len, self.gen.max_prompt_tokens
-        return {"x-request-id": request_id_var.get(), "x-context-window": str(window),
-                "x-context-used": str(used), "x-context-remaining": str(max(0, window - used)),
-                "x-ctxwarden-served-by": self.gen.engine.name}
+        """Context headers (what the model attends to: see context_headers) and the overflow
+        report (policy, tokens dropped and from where)."""
+        out = {"x-request-id": request_id_var.get(), "x-ctxwarden-served-by": self.gen.engine.name}
+        out.update(context_headers(self.gen.engine.engine, self.gen.max_prompt_tokens))
+        out.update(self.overflow.headers() if self.overflow else {})
+        return out
 
     # --- JSON -----------------------------------------------------------------------------
 
@@ -97,7 +100,9 @@ class Call:
 
     def _response(self):
         make = responses.chat_response if self.job.is_chat else responses.completion_response
-        return make(self.gen, self.api_id, self.created, self.gen.engine.name, self.top_k)
+        response = make(self.gen, self.api_id, self.created, self.gen.engine.name, self.top_k)
+        response.ctxwarden = self.overflow.to_dict() if self.overflow else None
+        return response
 
     # --- SSE ------------------------------------------------------------------------------
 
@@ -159,6 +164,36 @@ class Call:
             self.metrics.time_to_first_token.observe(c.first_token_s - self.gen.arrival_s)
             if c.finished_s is not None and len(c.token_ids) > 1:
                 self.metrics.time_per_output_token.observe((c.finished_s - c.first_token_s) / (len(c.token_ids) - 1))
+
+
+def context_headers(engine, num_prompt_tokens: int) -> dict[str, str]:
+    """x-context-*: the window, the tokens used, what is left, and what the model attends to.
+
+    full mode:      window = max_model_len; remaining = window - used
+    streaming mode: (sinks + rolling window) window = sink_tokens + window_tokens, the most
+                    any token attends to; attended = min(used, window); evicted = the prompt
+                    tokens the model no longer sees; no remaining (the length is unbounded)
+    A max_model_len raised past the model's window without RoPE scaling adds
+    x-context-trained-window and a warning saying so.
+    """
+    c = engine.config
+    if c.is_unbounded_length:
+        window = c.sink_tokens + c.window_tokens
+        attended = min(num_prompt_tokens, window)
+        return {"x-context-mode": "streaming", "x-context-window": str(window),
+                "x-context-sink-tokens": str(c.sink_tokens), "x-context-window-tokens": str(c.window_tokens),
+                "x-context-used": str(num_prompt_tokens), "x-context-attended": str(attended),
+                "x-context-evicted": str(num_prompt_tokens - attended)}
+    window = engine.max_model_len
+    out = {"x-context-mode": "full", "x-context-window": str(window), "x-context-used": str(num_prompt_tokens),
+           "x-context-remaining": str(max(0, window - num_prompt_tokens))}
+    if engine.is_past_trained_window:
+        trained = engine.window.window_tokens
+        out["x-context-trained-window"] = str(trained)
+        out["x-ctxwarden-warning"] = (f"max_model_len {window} is past the model's window of {trained} tokens "
+                                      "without RoPE scaling (--allow-long-max-model-len): positions past it "
+                                      "were never trained")
+    return out
 
 
 class EventStreamResponse(StreamingResponse):

@@ -69,6 +69,18 @@ def from_engine_error(e: Exception, prompt_param: str) -> APIError:
     return APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error", code="internal_error")
 
 
+def overflow_error(e: ContextLengthExceeded, prompt_param: str, policy: str, has_fallback: bool) -> APIError:
+    """The 400 of a prompt over the window under `policy` (error, or fallback with nowhere to go)."""
+    err = from_engine_error(e, prompt_param)
+    if policy == "fallback" and not has_fallback:
+        err.message = ("on_overflow 'fallback' needs a fallback model, and this server has none (start it with "
+                       "--fallback-model DIR); or send another on_overflow. " + err.message)
+    elif policy == "error":
+        err.message += (' To have the server shorten it, send "ctxwarden": {"on_overflow": POLICY} with POLICY '
+                        "one of truncate-head, truncate-middle, keep-tail-semantic, fallback.")
+    return err
+
+
 def _param_of(loc: tuple) -> str | None:
     """`('body', 'messages', 0, 'role')` -> `messages[0].role`; None for the body itself."""
     parts = [p for p in loc if p != "body"]

@@ -17,6 +17,9 @@ from ctxwarden.sampling import SamplingParams
 from ctxwarden.server.async_engine import AsyncEngine
 
 
+STREAMING_MIN_MAX_TOKENS = 256  # a streaming-mode chat without max_tokens whose prompt fills the window
+
+
 @dataclass(frozen=True)
 class Job:
     """What the client asked for, independent of which model serves it."""
@@ -47,7 +50,8 @@ class Job:
         """SamplingParams of one choice; a chat without max_tokens may use the rest of the window."""
         max_tokens = self.max_tokens
         if max_tokens is None:
-            max_tokens = max(1, engine.max_model_len - len(prompt)) if self.is_chat else 16
+            floor = STREAMING_MIN_MAX_TOKENS if engine.is_streaming else 1  # streaming: past the window
+            max_tokens = max(floor, engine.max_model_len - len(prompt)) if self.is_chat else 16
         seed = None if self.seed is None else self.seed + choice  # choices differ, reproducibly
         return SamplingParams(max_tokens=max_tokens, seed=seed, **self.sampling)
 

@@ -29,6 +29,17 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+OnOverflow = Literal["error", "truncate-head", "truncate-middle", "keep-tail-semantic", "fallback"]
+
+
+class CtxwardenOptions(BaseModel):
+    """The `ctxwarden` extension field (openai client: `extra_body={"ctxwarden": {...}}`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    on_overflow: OnOverflow | None = None  # None: the server's --on-overflow
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -51,6 +62,7 @@ class _SamplingFields(BaseModel):
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
     ignore_eos: bool = False
+    ctxwarden: CtxwardenOptions | None = None
 
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
@@ -169,6 +181,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    ctxwarden: dict | None = None  # the overflow report (server/overflow.py)
 
 
 class ChatMessageOut(BaseModel):
@@ -190,6 +203,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    ctxwarden: dict | None = None  # the overflow report (server/overflow.py)
 
 
 class ChatDelta(BaseModel):

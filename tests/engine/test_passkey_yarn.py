@@ -1,0 +1,41 @@
+"""YaRN x4 reads a pass key at 12K tokens that SmolLM2 loses unscaled (issue 15's must-show).
+
+SmolLM2-135M-Instruct was trained on 8,192 positions. The probe (ctxwarden.diagnostics.passkey)
+is 12,000 tokens with a 5-digit key at 50% depth, scored teacher-forced: the summed log p of
+the key's tokens after "The pass key is". Both arms run in bf16 weights and activations (the
+fastest prefill on these CPUs; the same for both, so the comparison is fair), no prefix cache.
+
+The margin: unscaled, the key is about as unlikely as with no key at all (PERF-NOTES: about
+-14 with no needle; last session -11.5); YaRN x4 brings it back near the short-prompt range.
+The test asks YaRN to win by at least MARGIN_NATS = 4 nats (a factor of e^4 ~ 55 in probability).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ctxwarden import LLM
+from ctxwarden.diagnostics.passkey import build_passkey_prompt, score_passkey
+
+NUM_TOKENS = 12_000
+KEY = "48213"
+MARGIN_NATS = 4.0
+_COMMON = dict(kv_memory="1GiB", dtype="bf16", weights="bf16", enable_prefix_caching=False,
+               max_batched_tokens=4096)
+
+
+def _score(**options):
+    llm = LLM(**_COMMON, **options)
+    prompt = build_passkey_prompt(llm.tokenizer, NUM_TOKENS, 0.5, KEY)
+    assert len(prompt.token_ids) == NUM_TOKENS and prompt.num_key_tokens >= 5
+    return score_passkey(llm, prompt)
+
+
+@pytest.mark.slow
+def test_yarn_x4_reads_the_pass_key_at_12k_that_unscaled_loses():
+    yarn = _score(rope_scaling={"rope_type": "yarn", "factor": 4})
+    unscaled = _score(max_model_len=NUM_TOKENS, allow_long_max_model_len=True)
+    print(f"\npass key log p at {NUM_TOKENS} tokens: yarn x4 {yarn.logprob:.2f} (top-1 {yarn.is_top1}), "
+          f"unscaled {unscaled.logprob:.2f} (top-1 {unscaled.is_top1})")
+    assert yarn.logprob - unscaled.logprob >= MARGIN_NATS
+    assert not unscaled.is_top1

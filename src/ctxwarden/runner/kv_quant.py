@@ -45,15 +45,27 @@ def quantize_rows(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     mantissa, exponent = torch.frexp(amax / fmax)  # amax / fmax = m * 2^e, m in [0.5, 1)
     k = exponent - (mantissa == 0.5).to(exponent.dtype)  # ceil(log2): exact powers of two
     k = torch.where(amax > 0, k, -_EXPONENT_BIAS).clamp(-_EXPONENT_BIAS, 127)
-    codes = torch.ldexp(x, -k).clamp_(-fmax, fmax).to(fp8_dtype).view(torch.uint8)
+    # x * 2^-k, exact (torch.ldexp is the same product, ~20x slower: it goes through pow)
+    codes = (x * torch.exp2(-k.float())).clamp_(-fmax, fmax).to(fp8_dtype).view(torch.uint8)
     return torch.cat([codes, (k + _EXPONENT_BIAS).to(torch.uint8)], dim=-1)
 
 
 def dequantize_rows(rows: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """uint8 [..., D + 1] rows (as quantize_rows writes them) -> fp32 [..., D]."""
-    codes = rows[..., :-1].contiguous().view(fp8_dtype).float()
-    k = rows[..., -1:].to(torch.int32) - _EXPONENT_BIAS
-    return torch.ldexp(codes, k)
+    codes = rows[..., :-1]
+    # a 256-entry table: 2x faster than torch's float8 -> float32 cast on CPU
+    values = _code_values(fp8_dtype).index_select(0, codes.reshape(-1).int()).view(codes.shape)
+    return values * torch.exp2(rows[..., -1:].float() - _EXPONENT_BIAS)
+
+
+_CODE_VALUES: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _code_values(fp8_dtype: torch.dtype) -> torch.Tensor:
+    """fp32 [256]: the value of every byte as a `fp8_dtype` code (built once per format)."""
+    if fp8_dtype not in _CODE_VALUES:
+        _CODE_VALUES[fp8_dtype] = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8_dtype).float()
+    return _CODE_VALUES[fp8_dtype]
 
 
 @dataclass(frozen=True)

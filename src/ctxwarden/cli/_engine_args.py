@@ -51,7 +51,8 @@ _FLAGS = {
 _FLOATS = ("max_queue_delay_s", "attention_sample_rate")
 _TEXT_FIELDS = {"model": "MODEL", "kv_tiers": "TIERS", "rope_scaling": "JSON"}  # free text, not a number
 _CHOICES = {"dtype": ACTIVATION_DTYPES + ("float32", "bfloat16", "float16"),
-            "kv_dtype": RUNNER_KV_DTYPES + ("float32", "bfloat16", "float16"),
+            "kv_dtype": RUNNER_KV_DTYPES + ("float32", "bfloat16", "float16", "fp8", "float8_e4m3fn",
+                                         "float8_e5m2"),
             "preemption_mode": PREEMPTION_MODES, "kv_tier_fetch": TIER_FETCH_POLICIES, "weights": WEIGHTS_MODES}
 
 

@@ -7,7 +7,7 @@ import json
 
 HELP = "Write a random-weight Hugging Face checkpoint (and a trained BPE tokenizer)."
 
-_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "deepseek_v2", "deepseek_v3")
+_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "deepseek_v2", "deepseek_v3")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -13,7 +13,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="HF model directory, config.json or .gguf (default: SmolLM2-135M-Instruct)")
     p.add_argument("--context", type=int, default=None,
                    help="tokens per sequence to plan for (default: the model's window)")
-    p.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp16", "fp32", "fp8"])
+    p.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp16", "fp32", "fp8", "fp8_e4m3", "fp8_e5m2"])
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--memory", default="24GiB", help="total memory budget, e.g. 24GiB, 80GB")
     p.add_argument("--activation-reserve", default=None,

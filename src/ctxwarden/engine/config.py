@@ -19,8 +19,8 @@ PREEMPTION_MODES = ("auto", "recompute", "swap")
 TIER_FETCH_POLICIES = ("auto", "always")  # auto: the cost model; always: fetch whatever is found
 SERVER_MAX_WAITING = 256  # a server bounds its queue (429 past it); offline runs do not
 SERVER_MAX_QUEUE_DELAY_S = 120.0  # a server refuses what would wait longer; offline runs wait
-# What the torch runner can store today (the planner plans fp8 KV too).
-RUNNER_KV_DTYPES = ("fp32", "bf16", "fp16")
+# What the torch runner can store (fp8: float8 codes + a scale byte per row, runner/kv_quant.py).
+RUNNER_KV_DTYPES = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
 # How projections are stored (models/loader.py): auto keeps a GGUF's Q4_x / Q8_0 codes
 # (exact fp32-activation kernels), fp32 / bf16 dense, int8 / int4 quantize every projection.
 WEIGHTS_MODES = ("auto", "fp32", "bf16", "int8", "int4")

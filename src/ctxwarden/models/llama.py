@@ -255,7 +255,8 @@ class LlamaForCausalLM:
         cos, sin = rope.tables[("tok", local)]
         sink = rope.tables.get(("sink", local, layer.group_index))
         group = step.groups[layer.group_index]
-        if (sink is None or not layer.sink_tokens) and w.q_norm is None and self._is_fused_step(h):
+        if ((sink is None or not layer.sink_tokens) and w.q_norm is None and layer.fp8_dtype is None
+                and self._is_fused_step(h)):
             # rotate q and k, write k and v to their pages, in one call (ext/kernels.cpp)
             q = kernels().rope_write_kv(qkv, cos, sin, layer.key, layer.value, group.slot_mapping,
                                         self.spec.num_attention_heads, self.spec.num_kv_heads, d)

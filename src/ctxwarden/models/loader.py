@@ -42,6 +42,12 @@ _GGUF_LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
 _GGUF_GEMMA2_LAYER = {**_GGUF_LAYER, "post_attention_norm": "post_attention_layernorm",
                       "ffn_norm": "pre_feedforward_layernorm",
                       "post_ffw_norm": "post_feedforward_layernorm"}
+# Multimodal wrappers (Gemma-3 4B and up) keep the language model under a prefix: hub files
+# (transformers 4.x) as language_model.model.* / language_model.lm_head.*, transformers 5.x
+# saves as model.language_model.*. Read under the text model's names; the vision tower and
+# projector keep theirs (no architecture here asks for them).
+_TEXT_MODEL_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                        ("model.language_model.", "model."))
 _GGUF_BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
@@ -123,12 +129,14 @@ class SafetensorsSource(WeightSource):
 
         from ctxwarden.spec.checkpoint import read_safetensors_header
 
-        self.infos = {}
+        self.infos, self._stored_names = {}, {}
         self._handles = {}
         for f in files:
-            for name, meta in read_safetensors_header(f).items():
-                if name != "__metadata__":
+            for stored, meta in read_safetensors_header(f).items():
+                if stored != "__metadata__":
+                    name = _text_model_name(stored)
                     self.infos[name] = TensorInfo(name, tuple(meta["shape"]), meta["dtype"], f)
+                    self._stored_names[name] = stored
             self._handles[f] = safe_open(str(f), framework="pt")
 
     def supported_types(self) -> tuple[str, ...]:
@@ -136,7 +144,15 @@ class SafetensorsSource(WeightSource):
 
     def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         info = self.infos[name]
-        return self._handles[info.file].get_tensor(name).to(dtype)
+        return self._handles[info.file].get_tensor(self._stored_names[name]).to(dtype)
+
+
+def _text_model_name(stored: str) -> str:
+    """A wrapper's language-model tensor under the text model's own name (others as stored)."""
+    for prefix, text in _TEXT_MODEL_PREFIXES:
+        if stored.startswith(prefix):
+            return text + stored[len(prefix):]
+    return stored
 
 
 class GGUFSource(WeightSource):

@@ -19,11 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "deepseek_v2", "deepseek_v3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "deepseek_v2", "deepseek_v3")
 _CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
           "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-          "gemma2": "Gemma2ForCausalLM", "phi3": "Phi3ForCausalLM",
+          "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+          "phi3": "Phi3ForCausalLM",
           "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+_MODEL_TYPE = {"gemma3": "gemma3_text"}  # make-model's gemma3 is the text model
+_GEMMA = ("gemma2", "gemma3")  # (1 + w) norms: their weights are drawn around 0
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
@@ -89,13 +92,13 @@ class MakeModelOptions:
 def build_config(o: MakeModelOptions) -> dict[str, Any]:
     """The config.json of the checkpoint (transformers 4.x layout)."""
     cfg: dict[str, Any] = {
-        "architectures": [_CLASS[o.arch]], "model_type": o.arch,
+        "architectures": [_CLASS[o.arch]], "model_type": _MODEL_TYPE.get(o.arch, o.arch),
         "hidden_size": o.hidden_size, "intermediate_size": o.intermediate_size,
         "num_hidden_layers": o.num_layers, "num_attention_heads": o.num_heads,
         "num_key_value_heads": o.num_kv_heads, "head_dim": o.resolved_head_dim,
         "vocab_size": o.vocab_size, "max_position_embeddings": o.max_position,
         "rms_norm_eps": 1e-6, "rope_theta": o.rope_theta, "rope_scaling": o.rope_scaling,
-        "hidden_act": "silu", "tie_word_embeddings": o.arch in ("llama", "gemma2"),
+        "hidden_act": "silu", "tie_word_embeddings": o.arch in ("llama", *_GEMMA),
         "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 0, "torch_dtype": "float32",
         "attention_dropout": 0.0,
     }
@@ -124,9 +127,24 @@ def _arch_config(o: MakeModelOptions) -> dict[str, Any]:
                 "query_pre_attn_scalar": o.resolved_head_dim, "attn_logit_softcapping": 50.0,
                 "final_logit_softcapping": 30.0, "sliding_window": o.sliding_window or 4096,
                 "attention_bias": False}
+    if o.arch == "gemma3":
+        return _gemma3_config(o)
     if o.arch in ("deepseek_v2", "deepseek_v3"):
         return _deepseek_config(o)
     return {}
+
+
+def _gemma3_config(o: MakeModelOptions) -> dict[str, Any]:
+    """5 local : 1 global; local RoPE base 10,000 unscaled, global `rope_theta` + scaling.
+
+    query_pre_attn_scalar is hidden / heads, Gemma-3-27B's rule (168 there, head_dim 128),
+    so a checkpoint made with --head-dim tells a scale taken from head_dim apart.
+    """
+    return {"hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": o.hidden_size // o.num_heads, "sliding_window_pattern": 6,
+            "rope_local_base_freq": 10000.0, "sliding_window": o.sliding_window or 4096,
+            "attn_logit_softcapping": None, "final_logit_softcapping": None,
+            "attention_bias": False}
 
 
 def _deepseek_config(o: MakeModelOptions) -> dict[str, Any]:
@@ -173,7 +191,7 @@ def _write_weights(spec, seed: int, path: Path) -> None:
     tensors = {}
     for name, shape in expected.items():
         if name.endswith("norm.weight"):
-            base = 0.0 if spec.model_type == "gemma2" else 1.0
+            base = 0.0 if spec.model_type in ("gemma2", "gemma3_text") else 1.0
             tensors[name] = base + 0.05 * torch.randn(shape, generator=gen)
         else:
             tensors[name] = 0.02 * torch.randn(shape, generator=gen)

@@ -26,11 +26,20 @@ from ctxwarden.spec.dtypes import DTYPES, KV_DTYPES, canonical_dtype
 from ctxwarden.spec.model_spec import SLIDING, ModelSpec
 
 FULL_KIND, SLIDING_KIND, MLA_KIND = "full", "sliding", "mla"
+# fp8 KV stores each cached row (one token's K or V of one KV head, or MLA's latent row)
+# with one scale byte: a power-of-two exponent (runner/kv_quant.py says why).
+KV_SCALE_BYTES_PER_ROW = {"fp8_e4m3": 1, "fp8_e5m2": 1}
 
 
 def kv_dtype_bytes(kv_dtype: str) -> int:
     """Bytes per cached element for a KV dtype name (bf16, fp16, fp32, fp8, or torch names)."""
     return DTYPES[canonical_dtype(kv_dtype, KV_DTYPES, "kv dtype")].num_bytes
+
+
+def kv_row_bytes(width: int, kv_dtype: str) -> int:
+    """Bytes of one cached row of `width` elements, its scale included (fp8)."""
+    scale = KV_SCALE_BYTES_PER_ROW.get(canonical_dtype(kv_dtype, KV_DTYPES, "kv dtype"), 0)
+    return width * kv_dtype_bytes(kv_dtype) + scale
 
 
 def cdiv(a: int, b: int) -> int:
@@ -40,8 +49,8 @@ def cdiv(a: int, b: int) -> int:
 def layer_kv_bytes_per_token(spec: ModelSpec, kv_dtype: str) -> int:
     """Bytes one token costs in one attention layer: K and V (or MLA's latent + rope key)."""
     if spec.mla is not None:
-        return spec.mla.cache_dim * kv_dtype_bytes(kv_dtype)
-    return 2 * spec.num_kv_heads * spec.head_dim * kv_dtype_bytes(kv_dtype)
+        return kv_row_bytes(spec.mla.cache_dim, kv_dtype)
+    return 2 * spec.num_kv_heads * kv_row_bytes(spec.head_dim, kv_dtype)
 
 
 def kv_bytes_per_token(spec: ModelSpec, kv_dtype: str) -> int:

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from ctxwarden.ext import kernels
 from ctxwarden.runner.inputs import DecodeKeys, GroupInputs, SequenceKeys
 from ctxwarden.runner.kv_cache import LayerKV
+from ctxwarden.runner.kv_quant import Fp8Rows
 
 _EAGER_QUERY_BLOCK = 256  # query rows per eager block: bounds scores to 256 x keys x heads
 # Batch-1 decode over at most this many keys runs its small ops on one thread: each op
@@ -36,6 +37,8 @@ _EAGER_QUERY_BLOCK = 256  # query rows per eager block: bounds scores to 256 x k
 _ONE_THREAD_MAX_KEYS = 1024
 # Flash attention that also returns the log-sum-exp (a private ATen op of CPU builds);
 # without it, chunks after the first take the masked SDPA path.
+# Pools ext/'s decode kernel reads in place (fp16 and fp8 pages are gathered, then converted).
+_IN_PLACE_POOL_DTYPES = (torch.float32, torch.bfloat16)
 _FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
@@ -68,7 +71,10 @@ class TorchPagedAttention(AttentionBackend):
         """Attention output [T, Hq, D] for the step's queries, in the batch's row order."""
         flat_k = kv.key.view(-1, *kv.key.shape[2:])  # [slots, Hkv, D]
         flat_v = kv.value.view(-1, *kv.value.shape[2:])
-        if group.decode is not None and q.dtype == torch.float32 and kernels() is not None:
+        if kv.fp8_dtype is not None:  # gathers dequantize the rows they read
+            flat_k, flat_v = Fp8Rows(flat_k, kv.fp8_dtype), Fp8Rows(flat_v, kv.fp8_dtype)
+        elif (group.decode is not None and q.dtype == torch.float32 and kernels() is not None
+              and kv.key.dtype in _IN_PLACE_POOL_DTYPES):
             return _decode_in_place(q, q_sink, kv, group.decode, params)
         if group.decode is not None:
             return _decode(q, q_sink, flat_k, flat_v, group.decode, params)

@@ -3,6 +3,7 @@
     layout.groups:  g0 = layers (0, 2, 4)   g1 = layers (1, 3, 5)     layers_per_group = 3
     tensors:        pair 0 serves layers 0 and 1, pair 1 layers 2 and 3, pair 2 layers 4, 5
     each tensor:    [num_blocks, block_size, num_kv_heads, head_dim]
+                    fp8: uint8 [..., head_dim + 1], float8 codes + a scale byte (kv_quant.py)
 
 A block id is a page of the one pool: in group g it holds block_size tokens of every layer
 of g (one row of each tensor pair). Two groups never hold the same block id at the same
@@ -23,16 +24,19 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ctxwarden.plan.kv import KVLayout
+from ctxwarden.plan.kv import KVLayout, kv_row_bytes
+from ctxwarden.runner.kv_quant import FP8_TORCH_DTYPES, quantize_rows
 from ctxwarden.spec.dtypes import DTYPES, canonical_dtype
 
-# What this runner can store; the planner also plans fp8, which has no KV path here yet.
-STORABLE_KV_DTYPES = ("fp32", "bf16", "fp16")
+# What this runner can store: fp8 as float8 codes with a scale byte per row (kv_quant.py).
+STORABLE_KV_DTYPES = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
 
 
 def kv_torch_dtype(kv_dtype: str) -> torch.dtype:
-    """The torch dtype of a KV dtype name this runner can allocate (ValueError otherwise)."""
-    return getattr(torch, DTYPES[canonical_dtype(kv_dtype, STORABLE_KV_DTYPES, "kv dtype")].torch_name)
+    """The torch dtype of a KV dtype name this runner can allocate (ValueError otherwise);
+    fp8 pools hold bytes (uint8): codes and scales side by side."""
+    name = canonical_dtype(kv_dtype, STORABLE_KV_DTYPES, "kv dtype")
+    return torch.uint8 if name in FP8_TORCH_DTYPES else getattr(torch, DTYPES[name].torch_name)
 
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
@@ -46,7 +50,7 @@ def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Ten
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     width = torch.empty((), dtype=dtype).element_size()
-    raw = np.zeros(shape, dtype={2: np.uint16, 4: np.float32, 8: np.float64}[width])
+    raw = np.zeros(shape, dtype={1: np.uint8, 2: np.uint16, 4: np.float32, 8: np.float64}[width])
     return torch.from_numpy(raw).view(dtype)
 
 
@@ -54,11 +58,12 @@ def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Ten
 class LayerKV:
     """One layer's view of the pool: its tensor pair and its group's window rules."""
 
-    key: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    key: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim] (fp8: uint8 rows)
     value: torch.Tensor
     group_index: int
     window_tokens: int | None
     sink_tokens: int
+    fp8_dtype: torch.dtype | None = None  # the codes' format when the pool holds fp8 rows
 
 
 @dataclass(frozen=True)
@@ -85,7 +90,9 @@ class PagedKVCache:
         self.layout, self.num_blocks = layout, num_blocks
         self.block_size = layout.block_size
         dtype = kv_torch_dtype(kv_dtype)
-        shape = (num_blocks, layout.block_size, num_kv_heads, head_dim)
+        self.fp8_dtype = FP8_TORCH_DTYPES.get(canonical_dtype(kv_dtype, STORABLE_KV_DTYPES))
+        row = head_dim if self.fp8_dtype is None else kv_row_bytes(head_dim, kv_dtype)
+        shape = (num_blocks, layout.block_size, num_kv_heads, row)
         self.keys = [_lazy_zeros(shape, dtype, device) for _ in range(layout.layers_per_group)]
         self.values = (self.keys if values_share_keys else
                        [_lazy_zeros(shape, dtype, device) for _ in range(layout.layers_per_group)])
@@ -110,12 +117,17 @@ class PagedKVCache:
         g_index, j = self._slot_of_layer[layer_id]
         group = self.layout.groups[g_index]
         sinks = self.layout.sink_tokens if group.window_tokens else 0
-        return LayerKV(self.keys[j], self.values[j], g_index, group.window_tokens, sinks)
+        return LayerKV(self.keys[j], self.values[j], g_index, group.window_tokens, sinks,
+                       self.fp8_dtype)
 
     def write(self, layer: LayerKV, key: torch.Tensor, value: torch.Tensor,
               slot_mapping: torch.Tensor) -> None:
         """Store new tokens' key/value [T, kv_heads, head_dim] at flat slots [T]."""
         flat_k = layer.key.view(-1, *layer.key.shape[2:])
+        if layer.fp8_dtype is not None:
+            key = quantize_rows(key, layer.fp8_dtype)
+            if layer.value is not layer.key:
+                value = quantize_rows(value, layer.fp8_dtype)
         flat_k.index_copy_(0, slot_mapping, key.to(flat_k.dtype))
         if layer.value is layer.key:  # MLA: the value is part of the row just written
             return

@@ -73,6 +73,9 @@ def bound_primitive_cache() -> None:
 def _allocate_kv(spec, layout: KVLayout, config: RunnerConfig) -> PagedKVCache:
     """The pool of `config.num_blocks` pages; MLA caches one row [latent | rope key] per token."""
     if spec.mla is not None:
+        if str(config.kv_dtype).startswith("fp8"):
+            raise ValueError(f"kv_dtype {config.kv_dtype!r} is not supported for MLA models ({spec.model_type}: "
+                             "the latent row is read in place); use kv_dtype 'auto', 'bf16' or 'fp32'")
         return PagedKVCache(layout, config.num_blocks, 1, spec.mla.cache_dim, config.kv_dtype,
                             values_share_keys=True)
     return PagedKVCache(layout, config.num_blocks, spec.num_kv_heads, spec.head_dim, config.kv_dtype)

@@ -211,7 +211,7 @@ def parse_model_config(raw: Mapping[str, Any], source: str = "<config>") -> Mode
         rms_norm_eps=float(r.get("rms_norm_eps", (int, float))),
         tie_word_embeddings=_tied(r),
         attention_bias=r.get("attention_bias", bool),
-        qk_norm=r.model_type == "qwen3",
+        qk_norm=r.model_type in ("qwen3", "gemma3", "gemma3_text"),
         hidden_act=normalise_activation(r.family, r.get(activation_field(r.family), str)),
         attn_logit_softcapping=r.get("attn_logit_softcapping", (int, float)),
         final_logit_softcapping=r.get("final_logit_softcapping", (int, float)),

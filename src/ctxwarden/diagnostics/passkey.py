@@ -40,6 +40,7 @@ class PasskeyScore:
 
 
 def needle_text(key: str) -> str:
+    """The sentence that hides `key` in the filler (said twice, as the passkey literature does)."""
     return f" The pass key is {key}. Remember it. {key} is the pass key. "
 
 

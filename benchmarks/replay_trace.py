@@ -72,12 +72,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str | None, port: int, kv_memory: str) -> subprocess.Popen:
-    """`ctxwarden serve` in a child process; returns once /health answers 200."""
+def start_server(model: str | None, port: int, kv_memory: str, extra_args: tuple = ()) -> subprocess.Popen:
+    """`ctxwarden serve` (plus `extra_args`) in a child process; returns once /health answers 200."""
     import httpx
 
     cmd = [sys.executable, "-m", "ctxwarden", "serve", "--port", str(port), "--kv-memory", kv_memory,
-           "--log-level", "warning"] + (["--model", model] if model else [])
+           "--log-level", "warning"] + (["--model", model] if model else []) + list(extra_args)
     proc = subprocess.Popen(cmd, env={**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")})
     deadline = time.time() + 300
     while time.time() < deadline:

@@ -79,3 +79,57 @@ def test_the_monitor_changes_no_output(tiny_model):
         outs.append((tokens, logprobs))
         assert (engine.attention is None) == (rate == 0.0)
     assert outs[0] == outs[1]
+
+
+PREFIX = [1 + (29 * j + 5) % 250 for j in range(48)]  # 3 blocks of 16: the part the prefix cache serves
+SUFFIX = [1 + (17 * j + 3) % 250 for j in range(13)]  # request "b" = PREFIX + SUFFIX, 61 tokens
+NUM_NEW = 8  # the first from the prefill's last row, then 7 decode rows (positions 61-67)
+# Equal within 1e-5: the cached run's prefix keys were computed in another request's 55-token
+# prefill, the recomputed run's in its own 61-token one: the same arithmetic on other matrix
+# shapes, which may round differently in fp32 (at most 1.5e-8 on these averages, measured). A
+# monitor that missed the cached keys (1 of 48+ visible keys: about 2% of the mass of a
+# near-uniform row) or read them at wrong positions would be off by 1e-3 or more.
+CACHE_TOL = 1e-5
+
+
+def _run_b(model_dir, warm: bool, stride: int | None = None):
+    """Request b's attention record and tokens; with `warm`, another request with the same
+    48-token prefix runs first, so b's prefix comes from the prefix cache."""
+    engine = Engine(EngineConfig.build(model=str(model_dir), kv_memory="8MiB", attention_sample_rate=1.0,
+                                       enable_prefix_caching=True, block_size=16))
+    if stride is not None:
+        engine.attention.prefill_stride = stride
+    runs = [("warm", PREFIX + [7, 8, 9, 10, 11, 12, 13])] if warm else []
+    tokens = []
+    for rid, ids in runs + [("b", PREFIX + SUFFIX)]:
+        engine.add_request(ids, SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True), request_id=rid)
+        while engine.has_unfinished_requests:
+            for out in engine.step():
+                tokens += out.new_token_ids if out.request_id == "b" else []
+    engine.release_finished()
+    return engine.attention_done["b"], tokens, engine.stats().kv.num_prefix_hit_tokens
+
+
+def test_a_cached_prefix_gives_the_statistics_of_a_recomputed_one(tiny_model):
+    model_dir = tiny_model("llama")
+    cached, cached_tokens, hits = _run_b(model_dir, warm=True)
+    fresh, fresh_tokens, no_hits = _run_b(model_dir, warm=False)
+    assert (hits, no_hits) == (48, 0) and cached_tokens == fresh_tokens
+    assert (cached.prompt_positions_cached, fresh.prompt_positions_cached) == (48, 0)
+    # rows observed (live stride 4, by position): prompt rows 3, 7, ..., 59 and 60 recomputed
+    # (16) against 51, 55, 59, 60 after the cache (4); the 7 generated rows in both
+    assert [int(fresh.sink_rows[0]), int(cached.sink_rows[0])] == [16 + 7, 4 + 7]
+    assert int(fresh.generated_sink_rows[0]) == int(cached.generated_sink_rows[0]) == NUM_NEW - 1
+    for got, want in ((cached.generated_entropy(), fresh.generated_entropy()),
+                      (cached.generated_sink_mass(), fresh.generated_sink_mass())):
+        assert float((got - want).abs().max()) < CACHE_TOL
+    # every figure equal when both observe the same rows (the prompt's last and the generated)
+    cached, _, _ = _run_b(model_dir, warm=True, stride=10**6)
+    fresh, _, _ = _run_b(model_dir, warm=False, stride=10**6)
+    assert int(cached.sink_rows[0]) == int(fresh.sink_rows[0]) == 1 + NUM_NEW - 1
+    for got, want in ((cached.entropy(), fresh.entropy()), (cached.sink_mass(), fresh.sink_mass()),
+                      (cached.alpha(), fresh.alpha())):
+        assert float((got - want).abs().max()) < CACHE_TOL
+    assert cached.to_dict()["sink_rate"] == fresh.to_dict()["sink_rate"]
+    live = _run_b(model_dir, warm=True)[0].to_dict()
+    assert live["prompt_positions_cached"] == 48 and live["generated"]["rows"] == NUM_NEW - 1

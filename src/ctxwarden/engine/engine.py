@@ -243,7 +243,7 @@ class Engine:
         if self.attention is not None:
             rate = self.config.attention_sample_rate
             self.attention.begin(tuple(s.request.request_id if is_sampled(s.request.request_id, rate) else None
-                                       for s in scheduled))
+                                       for s in scheduled), tuple(s.request.num_prompt_tokens for s in scheduled))
         started = time.perf_counter()
         try:
             logits = self.runner.forward(batch)

@@ -12,6 +12,16 @@ memory stays O(layers x heads) per request (prefill rows are taken every `prefil
     alpha      mean of A_i0 over rows at positions >= 1 (Gu et al. 2024: a head is a sink
                head when alpha > 0.3; the sink rate is the share of such heads)
 
+Rows are told apart by position: prompt rows (positions < the prompt's length) and generated
+rows (decode). The generated rows' sums are also kept on their own (`generated_*`): a
+generated row attends to every earlier key, those of a prefix that came from the prefix
+cache included (they are gathered from the same paged pool), so these do not depend on
+whether a prefix was cached or recomputed. A cached prefix's own prompt rows are never
+computed, so they cannot be observed: `prompt_positions_cached` counts them, and the
+all-rows figures cover the prompt rows that were computed. Prefill rows are picked by
+position (positions stride - 1, 2 stride - 1, ... and the prompt's last), so chunking does
+not change which rows are observed.
+
 With `keep_full=True` (the offline `ctxwarden diag attention`, one whole-prompt prefill) it
 also keeps the head-averaged attention rollout (Abnar & Zuidema 2020: R = prod_l (0.5 A_l +
 0.5 I), rows renormalised, later layers on the left) and the last row's attention (for the
@@ -45,27 +55,34 @@ class RequestAttention:
     alpha_rows: torch.Tensor = None
     rollout: torch.Tensor | None = None  # [n, n] (keep_full)
     last_row: list = field(default_factory=list)  # per layer: head-averaged last row [m] (keep_full)
+    generated_entropy_sum: torch.Tensor = None  # the same sums over generated rows only
+    generated_entropy_rows: torch.Tensor = None
+    generated_sink_sum: torch.Tensor = None
+    generated_sink_rows: torch.Tensor = None
+    prompt_positions_cached: int | None = None  # prompt positions before the first computed one
 
     def __post_init__(self):
         z = lambda *s: torch.zeros(*s, dtype=torch.float64)  # noqa: E731
         self.entropy_sum, self.sink_sum, self.alpha_sum = (z(self.num_layers, self.num_heads) for _ in range(3))
         self.entropy_rows, self.sink_rows, self.alpha_rows = (z(self.num_layers) for _ in range(3))
+        self.generated_entropy_sum, self.generated_sink_sum = (z(self.num_layers, self.num_heads) for _ in range(2))
+        self.generated_entropy_rows, self.generated_sink_rows = (z(self.num_layers) for _ in range(2))
 
     def add(self, layer: int, probs: torch.Tensor, num_visible: torch.Tensor, query_positions: torch.Tensor,
-            first_key_is_token0: bool) -> None:
-        """Fold one layer's probabilities [H, n, m] (rows' visible keys counted in [n])."""
+            first_key_is_token0: bool, num_prompt_tokens: int | None = None) -> None:
+        """Fold one layer's probabilities [H, n, m] (rows' visible keys counted in [n]); rows
+        at positions >= `num_prompt_tokens` are generated rows (None: all prompt rows)."""
         ent = -torch.special.xlogy(probs, probs).sum(-1)  # [H, n]
-        multi = num_visible > 1
-        if multi.any():
-            norm = ent[:, multi] / torch.log(num_visible[multi].to(probs.dtype))
-            self.entropy_sum[layer] += norm.sum(-1).double()
-            self.entropy_rows[layer] += int(multi.sum())
         p0 = probs[:, :, 0] if first_key_is_token0 else torch.zeros(probs.shape[:2])
-        self.sink_sum[layer] += p0.sum(-1).double()
-        self.sink_rows[layer] += probs.shape[1]
+        _fold(self.entropy_sum[layer], self.entropy_rows, self.sink_sum[layer], self.sink_rows, layer,
+              ent, p0, num_visible, torch.ones_like(num_visible, dtype=torch.bool))
         later = query_positions >= 1
         self.alpha_sum[layer] += p0[:, later].sum(-1).double()
         self.alpha_rows[layer] += int(later.sum())
+        generated = torch.zeros_like(later) if num_prompt_tokens is None else query_positions >= num_prompt_tokens
+        if generated.any():
+            _fold(self.generated_entropy_sum[layer], self.generated_entropy_rows, self.generated_sink_sum[layer],
+                  self.generated_sink_rows, layer, ent, p0, num_visible, generated)
 
     def add_full(self, probs: torch.Tensor) -> None:
         """Rollout and last row of one layer's whole-prompt probabilities [H, n, n]."""
@@ -87,6 +104,14 @@ class RequestAttention:
         """[L, H] mean attention on the first token over rows at positions >= 1."""
         return self.alpha_sum / self.alpha_rows[:, None]
 
+    def generated_entropy(self) -> torch.Tensor:
+        """[L, H] mean normalised entropy over generated rows (NaN before the second token)."""
+        return self.generated_entropy_sum / self.generated_entropy_rows[:, None]
+
+    def generated_sink_mass(self) -> torch.Tensor:
+        """[L, H] mean attention on the first token over generated rows."""
+        return self.generated_sink_sum / self.generated_sink_rows[:, None]
+
     def sink_rate(self) -> float:
         """Share of (layer, head) pairs whose alpha exceeds SINK_RATE_THRESHOLD."""
         return float((self.alpha() > SINK_RATE_THRESHOLD).double().mean())
@@ -105,10 +130,32 @@ class RequestAttention:
         layers = [[{"entropy": _num(ent[l, h]), "sink_mass": _num(sink[l, h])} for h in range(self.num_heads)]
                   for l in range(self.num_layers)]
         out = {"layers": layers, "sink_rate": self.sink_rate()}
+        if not self.keep_full:  # a live record (the offline JSON keeps its stable keys)
+            out.update(self._live_dict())
         if self.rollout is not None:
             out["rollout_last_row"] = [float(x) for x in self.rollout[-1]]
             out["position_mass"] = self.position_mass()
         return out
+
+    def _live_dict(self) -> dict:
+        """`prompt_positions_cached` and the generated rows' figures (`generated`: null
+        before a second token)."""
+        rows = int(self.generated_sink_rows[0]) if self.num_layers else 0
+        g_ent, g_sink = self.generated_entropy(), self.generated_sink_mass()
+        generated = None if not rows else {"rows": rows, "layers": [
+            [{"entropy": _num(g_ent[l, h]), "sink_mass": _num(g_sink[l, h])} for h in range(self.num_heads)]
+            for l in range(self.num_layers)]}
+        return {"prompt_positions_cached": self.prompt_positions_cached, "generated": generated}
+
+
+def _fold(entropy_sum, entropy_rows, sink_sum, sink_rows, layer: int, ent, p0, num_visible, rows) -> None:
+    """Add the chosen rows' normalised entropies (rows with > 1 visible key) and sink mass."""
+    multi = rows & (num_visible > 1)
+    if multi.any():
+        entropy_sum += (ent[:, multi] / torch.log(num_visible[multi].to(ent.dtype))).sum(-1).double()
+        entropy_rows[layer] += int(multi.sum())
+    sink_sum += p0[:, rows].sum(-1).double()
+    sink_rows[layer] += int(rows.sum())
 
 
 def _num(x) -> float | None:
@@ -127,13 +174,16 @@ class MonitoredAttention(AttentionBackend):
         self.name = f"{inner.name}+monitor"
         self.records: dict[str, RequestAttention] = {}
         self._sampled: tuple = ()  # per batch sequence: a request id or None
+        self._prompt_tokens: tuple = ()  # per batch sequence: its prompt's length or None
         self._layer = 0
         self.keep_full = False  # rollout and last row too (the offline probe)
         self.query_scale = 1.0  # tests scale queries (x10) to provoke a collapse
 
-    def begin(self, sampled: tuple) -> None:
-        """A new step: `sampled[i]` is the request id of batch sequence i if it is monitored."""
+    def begin(self, sampled: tuple, prompt_tokens: tuple | None = None) -> None:
+        """A new step: `sampled[i]` is the request id of batch sequence i if it is monitored,
+        `prompt_tokens[i]` its prompt's length (None: every row is a prompt row)."""
         self._sampled, self._layer = tuple(sampled), 0
+        self._prompt_tokens = tuple(prompt_tokens) if prompt_tokens is not None else (None,) * len(sampled)
         for rid in sampled:
             if rid is not None and rid not in self.records:
                 self.records[rid] = RequestAttention(self.num_layers, self.num_heads, self.keep_full)
@@ -158,29 +208,35 @@ class MonitoredAttention(AttentionBackend):
         for i, rid in enumerate(self._sampled):
             if rid is None:
                 continue
-            rows, qp, slots, kp = _rows_of(group, i, self.prefill_stride)
+            num_prompt = self._prompt_tokens[i]
+            rows, qp, slots, kp = _rows_of(group, i, self.prefill_stride, num_prompt)
+            rec = self.records[rid]
+            if group.decode is None and rec.prompt_positions_cached is None:
+                rec.prompt_positions_cached = group.sequences[i].num_computed_tokens  # the first chunk's start
+            if qp.numel() == 0:
+                continue  # a prefill chunk with no picked position
             probs, visible = _probabilities(q[rows], None if q_sink is None else q_sink[rows],
                                             _gather(flat_k, slots, torch.float32), qp, kp, params)
-            rec = self.records[rid]
-            rec.add(layer, probs, visible, qp, bool(kp.numel()) and int(kp[0]) == 0)
+            rec.add(layer, probs, visible, qp, bool(kp.numel()) and int(kp[0]) == 0, num_prompt)
             if rec.keep_full and probs.shape[1] == probs.shape[2]:
                 rec.add_full(probs)
 
 
-def _rows_of(group, i: int, stride: int):
+def _rows_of(group, i: int, stride: int, num_prompt_tokens: int | None):
     """Query rows (indices into q), their positions, key slots and key positions of batch
-    sequence i (decode: its one row; prefill: every `stride`-th row, the last always)."""
+    sequence i (decode: its one row; a chunk: its generated rows, and its prompt rows at
+    positions stride - 1, 2 stride - 1, ... and the prompt's last; without
+    `num_prompt_tokens`, the chunk's last row stands for the prompt's last)."""
     if group.decode is not None:
         d = group.decode
         valid = d.is_valid[i]
         return slice(i, i + 1), d.query_positions[i:i + 1], d.key_slots[i][valid], d.key_positions[i][valid]
     s = group.sequences[i]
-    n = s.query_end - s.query_start
-    picked = list(range(0, n, stride))
-    if picked[-1] != n - 1:
-        picked.append(n - 1)
-    idx = torch.tensor(picked) + s.query_start
-    return idx, s.query_positions[picked], s.key_slots, s.key_positions
+    pos = s.query_positions
+    last = pos[-1] if num_prompt_tokens is None else num_prompt_tokens - 1
+    keep = ((pos + 1) % stride == 0) | (pos == last) | (pos > last)
+    picked = torch.nonzero(keep).flatten()
+    return picked + s.query_start, pos[picked], s.key_slots, s.key_positions
 
 
 def _probabilities(q, q_sink, k, q_pos, k_pos, params):

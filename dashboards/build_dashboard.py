@@ -51,6 +51,12 @@ ROWS = {
                                             q("ctxwarden_process_rss_anon_bytes", "RssAnon"),
                                             q("ctxwarden_process_swap_bytes", "VmSwap")]),
         ("OOM kills in the memory cgroup", "short", [q("ctxwarden_cgroup_oom_kills", "oom_kill")]),
+        ("Slow-leak slope (bytes per request)", "bytes", [
+            q('ctxwarden_process_rss_slope_bytes_per_request{bound="estimate"}', "slope"),
+            q('ctxwarden_process_rss_slope_bytes_per_request{bound="low"}', "95% low"),
+            q('ctxwarden_process_rss_slope_bytes_per_request{bound="high"}', "95% high")]),
+        ("Slow-leak fit", "short", [q("ctxwarden_process_rss_slope_r_squared", "R^2"),
+                                    q("ctxwarden_process_rss_slope_completed_requests", "completed requests fitted")]),
     ],
     "Attention monitor": [
         ("Monitored requests (per s)", "reqps", [q(f"rate(ctxwarden_attention_sampled_requests_total{M}{W})", "{{model}}")]),
@@ -74,6 +80,12 @@ ROWS = {
         ("Tier integrity failures (per s)", "short", [q(f"rate(ctxwarden_kv_tier_integrity_failures_total{M}{W})",
                                                         "{{tier}} {{reason}}")]),
         ("Tier decisions (per s)", "short", [q(f"rate(ctxwarden_kv_tier_decisions_total{M}{W})", "{{tier}} {{decision}}")]),
+        ("Heap trims", "short", [q(f"rate(ctxwarden_heap_trims_total{M}{W})", "trims/s {{model}}"),
+                                 q(f"rate(ctxwarden_heap_released_bytes_total{M}{W})", "released bytes/s {{model}}")]),
+    ],
+    "Throughput": [
+        ("Tokens (per s)", "short", [q(f"rate(ctxwarden_prompt_tokens_computed_total{M}{W})", "prompt computed {{model}}"),
+                                     q(f"rate(ctxwarden_generation_tokens_total{M}{W})", "generated {{model}}")]),
     ],
 }
 

@@ -46,6 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "failing request's metadata; no prompt text)")
     p.add_argument("--debug-dump-prompts", action="store_true",
                    help="--crash-dir: include the failing request's prompts (they may hold user data)")
+    p.add_argument("--leak-warmup-requests", type=int, default=100, metavar="N",
+                   help="the slow-leak slope on /metrics skips the first N completed requests (caches filling)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_arguments(p, max_waiting=SERVER_MAX_WAITING, max_queue_delay_s=SERVER_MAX_QUEUE_DELAY_S)
 
@@ -61,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
                           on_overflow=args.on_overflow, served_model_name=args.served_model_name,
                           api_keys=args.api_keys, max_body_bytes=args.max_body_bytes,
                           drain_timeout_s=args.drain_timeout, request_log=args.request_log,
-                          crash_dir=args.crash_dir, debug_dump_prompts=args.debug_dump_prompts)
+                          crash_dir=args.crash_dir, debug_dump_prompts=args.debug_dump_prompts,
+                          leak_warmup_requests=args.leak_warmup_requests)
     _configure_logging(args.log_level, RequestIdLogFilter())
     app = create_app(config)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_config=None,

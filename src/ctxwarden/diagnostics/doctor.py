@@ -336,7 +336,28 @@ def server_findings(snap: dict) -> list[Finding]:
     if not any(o.get("risk") in ("HIGH", "CRITICAL") for o in snap.get("owners") or []):
         out.append(Finding("ok", "no KV blocks held by finished or unknown requests",
                            f"{len(snap.get('owners') or [])} owner(s), all live", "nothing to do"))
+    if "leak_slope" in snap:
+        out.append(_server_slope_finding(snap["leak_slope"]))
     return out
+
+
+def _server_slope_finding(slope: dict | None) -> Finding:
+    """The server's own slow-leak slope (its 1 Hz samples against completed requests)."""
+    if slope is None:
+        return Finding("info", "server slow-leak slope: not fitted yet", "fewer than 10 distinct counts of "
+                       "completed requests after the warm-up (serve --leak-warmup-requests)",
+                       "look again after more traffic (it is refitted every 10 samples)")
+    from dataclasses import fields
+
+    from ctxwarden.diagnostics.leaks import SlopeFit, slope_verdict
+
+    verdict, reason = slope_verdict(SlopeFit(**{f.name: slope[f.name] for f in fields(SlopeFit)}))
+    severity = {"leak": "high", "inconclusive": "info", "no leak": "ok"}[verdict]
+    fix = {"leak": "diff two snapshots (`ctxwarden diag mem diff`) to see which figure grows",
+           "inconclusive": "a step (caches filling) or noise: look again later, or raise --leak-warmup-requests",
+           "no leak": "nothing to do"}[verdict]
+    return Finding(severity, f"server memory per completed request: {verdict}",
+                   f"{reason}; requests {slope['first_completed']:,}-{slope['last_completed']:,}", fix)
 
 
 def _owner_findings(owners: list[dict]) -> list[Finding]:

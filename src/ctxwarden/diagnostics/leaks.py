@@ -52,20 +52,57 @@ class SlopeFit:
         return self.slope_low <= 0.0 <= self.slope_high
 
 
-def robust_slope(x, y, confidence: float = 0.95) -> SlopeFit:
-    """Theil-Sen fit with its confidence interval and the R^2 of the fitted line."""
+def robust_slope(x, y, confidence: float = 0.95, max_points: int = MAX_FIT_POINTS) -> SlopeFit:
+    """Theil-Sen fit with its confidence interval and the R^2 of the fitted line (series
+    longer than `max_points` thinned evenly)."""
     x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
     if x.size != y.size or x.size < MIN_SAMPLES:
         raise ValueError(f"a slope needs at least {MIN_SAMPLES} paired samples, got {x.size} x and {y.size} y")
     if np.ptp(x) == 0:
         raise ValueError("every sample has the same x (completed requests): nothing to fit against")
-    if x.size > MAX_FIT_POINTS:
-        keep = np.linspace(0, x.size - 1, MAX_FIT_POINTS).round().astype(int)
+    if x.size > max_points:
+        keep = np.linspace(0, x.size - 1, max_points).round().astype(int)
         x, y = x[keep], y[keep]
     slope, intercept, low, high = stats.theilslopes(y, x, alpha=confidence)
     ss_tot = float(((y - y.mean()) ** 2).sum())
     r2 = None if ss_tot == 0 else 1.0 - float(((y - intercept - slope * x) ** 2).sum()) / ss_tot
     return SlopeFit(float(slope), float(intercept), float(low), float(high), r2, int(x.size), confidence)
+
+
+SERVER_FIT_POINTS = 400  # a server refits every few seconds: 80,000 pairwise slopes at most
+
+
+@dataclass(frozen=True)
+class RequestSlope:
+    """A server's slope of RssAnon + VmSwap per completed request, and the requests it spans."""
+
+    fit: SlopeFit
+    first_completed: int
+    last_completed: int
+
+    def to_dict(self) -> dict:
+        """JSON-ready: the fit's fields, the requests it spans, the unit."""
+        return {**asdict(self.fit), "first_completed": self.first_completed, "last_completed": self.last_completed,
+                "unit": "bytes per request"}
+
+
+def per_request_slope(samples: list[dict], warmup_requests: int = 0,
+                      max_points: int = SERVER_FIT_POINTS) -> RequestSlope | None:
+    """The Theil-Sen slope of a server's memory samples ({"completed_requests",
+    "leak_basis_bytes"}) against completed requests, skipping those before
+    `warmup_requests`. The samples of one count are reduced to their median first (an
+    idle server samples the same count for as long as it idles, and those would outweigh
+    the busy minutes). None until MIN_SAMPLES distinct counts exist."""
+    by_count: dict[int, list[int]] = {}
+    for s in samples:
+        c = s.get("completed_requests")
+        if c is not None and c >= warmup_requests:
+            by_count.setdefault(int(c), []).append(s["leak_basis_bytes"])
+    if len(by_count) < MIN_SAMPLES:
+        return None
+    x = sorted(by_count)
+    fit = robust_slope(x, [float(np.median(by_count[c])) for c in x], max_points=max_points)
+    return RequestSlope(fit, x[0], x[-1])
 
 
 @dataclass(frozen=True)
@@ -169,6 +206,12 @@ def assess_leak(samples: list[LeakSample], min_slope_bytes: float = DEFAULT_MIN_
                        [s.ttft_s for s in timed]) if len(timed) >= MIN_SAMPLES else None)
     verdict, reason = _verdict(rss, trimmed, min_slope_bytes, min_r_squared)
     return LeakReport(rss, trimmed, ttft, verdict, reason)
+
+
+def slope_verdict(fit: SlopeFit, min_slope_bytes: float = DEFAULT_MIN_SLOPE_BYTES,
+                  min_r_squared: float = DEFAULT_MIN_R_SQUARED) -> tuple[str, str]:
+    """(verdict, reason) of one slope without a trim probe: leak, inconclusive or no leak."""
+    return _verdict(fit, None, min_slope_bytes, min_r_squared)
 
 
 def _grows(fit: SlopeFit, min_slope_bytes: float) -> bool:

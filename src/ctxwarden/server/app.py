@@ -52,7 +52,7 @@ _ERRORS = {s: {"model": ErrorResponse} for s in (400, 401, 404, 413, 429, 500, 5
 
 _SERVER_FIELDS = ("fallback_model", "on_overflow", "served_model_name", "api_keys", "max_body_bytes",
                   "drain_timeout_s", "cgroup_root", "request_log", "crash_dir", "crash_window_s",
-                  "debug_dump_prompts", "memory_sample_interval_s")
+                  "debug_dump_prompts", "memory_sample_interval_s", "leak_warmup_requests")
 
 
 def _server_engine_config() -> EngineConfig:
@@ -76,6 +76,7 @@ class ServerConfig:
     crash_window_s: float = 600.0  # the events and samples a bundle keeps
     debug_dump_prompts: bool = False  # crash bundles include the failing request's prompts
     memory_sample_interval_s: float = 1.0  # the timeline's memory samples (0: none)
+    leak_warmup_requests: int = 100  # the slow-leak slope skips the first requests (caches filling)
 
     def __post_init__(self):
         if self.max_body_bytes < 1:
@@ -84,6 +85,8 @@ class ServerConfig:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         default = "fallback" if self.fallback_model else "error"
         object.__setattr__(self, "on_overflow", check_policy(self.on_overflow or default, "on_overflow"))
+        if self.leak_warmup_requests < 0:
+            raise ValueError(f"leak_warmup_requests must be >= 0, got {self.leak_warmup_requests}")
         if self.memory_sample_interval_s < 0 or self.crash_window_s <= 0:
             raise ValueError(f"memory_sample_interval_s must be >= 0 and crash_window_s > 0, got "
                              f"{self.memory_sample_interval_s} and {self.crash_window_s}")
@@ -113,6 +116,7 @@ class ServerState:
     phase: str = "loading"  # loading | ready | draining | failed
     engines: list[AsyncEngine] = field(default_factory=list)  # primary first, then the fallback
     in_flight: int = 0
+    num_completed_requests: int = 0  # requests answered (any status) since the start: the leak slope's x
     failure: str | None = None  # why the phase is "failed": a load error or a dead engine
     events: EventRing = field(default_factory=EventRing)  # every engine records here too
     on_fail: object = None  # called with the reason when the server fails (the crash bundle)
@@ -246,8 +250,9 @@ def create_app(config: ServerConfig, engines: list[AsyncEngine] | None = None) -
 def _diagnostics(config: ServerConfig, state: ServerState):
     """The request log, the 1 Hz memory sampler and the crash recorder the config asks for."""
     request_log = RequestLogWriter(config.request_log) if config.request_log else None
-    sampler = MemorySampler(lambda: state.engines, config.cgroup_root, config.memory_sample_interval_s) \
-        if config.memory_sample_interval_s else None
+    sampler = MemorySampler(lambda: state.engines, config.cgroup_root, config.memory_sample_interval_s,
+                            completed_of=lambda: state.num_completed_requests,
+                            warmup_requests=config.leak_warmup_requests) if config.memory_sample_interval_s else None
     crash = CrashRecorder(config.crash_dir, state, sampler, config.cgroup_root, config.crash_window_s,
                           config.debug_dump_prompts) if config.crash_dir else None
     state.on_fail = crash.on_engine_failure if crash else None
@@ -276,7 +281,8 @@ def _add_info_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics, t
         sampler = app.state.sampler
         body, media_type = metrics.render_negotiated(snapshots, accept, {e.name: e.memory for e in state.engines},
                                                      sampler.latest() if sampler is not None else None,
-                                                     {e.name: e.attention for e in state.engines})
+                                                     {e.name: e.attention for e in state.engines},
+                                                     sampler.slope if sampler is not None else None)
         return Response(body, media_type=media_type)
 
 
@@ -427,6 +433,7 @@ class _Serving:
     def _settled(self, call: Call, tenant: Tenant) -> None:
         self.limiter.refund(tenant, call.gen.num_booked_tokens - call.gen.num_used_tokens)
         self.state.in_flight -= 1
+        self.state.num_completed_requests += 1
         if self.request_log is not None:
             self.request_log.write(record_of(call.gen, call.tags.request_id, tenant.name, call.status))
         if self.crash is not None and call.status >= 500:

@@ -58,12 +58,14 @@ def add_debug_routes(app: FastAPI, state, admin_of, cgroup_root: str, sampler=No
     @app.get("/debug/memory", responses={403: {"model": ErrorResponse}})
     async def debug_memory(tenant=Depends(admin_of)) -> dict:
         """Process, cgroup, KV pool and KV owners (admin only)."""
-        return await asyncio.to_thread(server_snapshot, state.engines, cgroup_root)
+        slope = sampler.slope if sampler is not None else None
+        return await asyncio.to_thread(server_snapshot, state.engines, cgroup_root, slope)
 
 
-def server_snapshot(engines, cgroup_root: str) -> dict:
+def server_snapshot(engines, cgroup_root: str, slope=None) -> dict:
     """The server's memory snapshot as JSON: `kv` is the primary model's pool, `owners`
-    every model's, `engines` each model's pool by name."""
+    every model's, `engines` each model's pool by name, `leak_slope` the sampler's last
+    slow-leak fit (diagnostics.leaks.RequestSlope; null before one)."""
     process = read_process_memory()
     found = lookup_cgroup(process.pid, cgroup_root)
     now = time.time()
@@ -76,4 +78,5 @@ def server_snapshot(engines, cgroup_root: str) -> dict:
     out = snap.to_dict()
     out["engines"] = {name: {"published": v.time, "kv": v.kv.to_dict(), "p99_latency_s": e.book.p99_latency_s}
                       for (name, v), e in zip(views, engines)}
+    out["leak_slope"] = slope.to_dict() if slope is not None else None
     return out

@@ -132,6 +132,25 @@ class _EngineCollector:
         return []  # collected lazily: the snapshot is set just before each scrape
 
 
+def _slope_families(slope):
+    """The slow-leak slope (absent until the sampler has fitted one)."""
+    bounds = GaugeMetricFamily("ctxwarden_process_rss_slope_bytes_per_request", "Theil-Sen slope of RssAnon + "
+                               "VmSwap per completed request, with its 95% interval (bound: estimate, low, high).",
+                               labels=["bound"])
+    r2 = GaugeMetricFamily("ctxwarden_process_rss_slope_r_squared", "R^2 of the slow-leak slope's line "
+                           "(near 1: steady growth; near 0: a step or noise).")
+    span = GaugeMetricFamily("ctxwarden_process_rss_slope_completed_requests", "Completed requests at the newest "
+                             "sample of the slope's fit (the fit spans the ring after the warm-up).")
+    if slope is not None:
+        fit = slope.fit
+        for bound, value in (("estimate", fit.slope), ("low", fit.slope_low), ("high", fit.slope_high)):
+            bounds.add_metric([bound], float(value))
+        if fit.r_squared is not None:
+            r2.add_metric([], float(fit.r_squared))
+        span.add_metric([], float(slope.last_completed))
+    return bounds, r2, span
+
+
 class _DiagnosticsCollector:
     """KV blocks by owner risk (from each engine's published MemoryView) and this process's
     memory (from the sampler's latest sample): nothing is read or computed at scrape time."""
@@ -142,6 +161,7 @@ class _DiagnosticsCollector:
         self.views: dict[str, object] = {}  # model -> server.owners.MemoryView
         self.attention: dict[str, object] = {}  # model -> server.attention.AttentionResults
         self.sample: dict | None = None
+        self.slope = None  # diagnostics.leaks.RequestSlope: the sampler's last fit
 
     def collect(self):
         owners = GaugeMetricFamily("ctxwarden_kv_owner_blocks", "KV blocks by owner risk: OK (live or just "
@@ -167,6 +187,7 @@ class _DiagnosticsCollector:
             alerts.add_metric([model], float(results.num_alerts))
         yield sampled
         yield alerts
+        yield from _slope_families(self.slope)
         kills = GaugeMetricFamily("ctxwarden_cgroup_oom_kills", "OOM kills the memory cgroup has recorded "
                                   "(memory.events oom_kill; absent without a memory cgroup).")
         if self.sample is not None and self.sample.get("oom_kill") is not None:
@@ -208,11 +229,13 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
     def render_negotiated(self, snapshots: dict[str, object], accept: str | None, views: dict | None = None,
-                          sample: dict | None = None, attention: dict | None = None) -> tuple[bytes, str]:
+                          sample: dict | None = None, attention: dict | None = None,
+                          slope=None) -> tuple[bytes, str]:
         """(body, content type): OpenMetrics if `accept` asks for it, else Prometheus text.
-        `views` (model -> MemoryView) and `sample` (the latest memory sample) feed the
-        owner-risk and process-memory gauges."""
+        `views` (model -> MemoryView), `sample` (the latest memory sample) and `slope` (the
+        sampler's last RequestSlope) feed the owner-risk, process-memory and leak-slope gauges."""
         self._diagnostics.views, self._diagnostics.sample = views or {}, sample
+        self._diagnostics.slope = slope
         self._diagnostics.attention = attention or {}
         if accept and "application/openmetrics-text" in accept:
             self._engines.snapshots = snapshots

@@ -3,7 +3,8 @@
 Starts `ctxwarden serve` (the default model, SmolLM2-135M-Instruct) with a request log, a
 crash directory and every request's attention monitored; sends chat requests built from
 Austen passages of varied length (some sharing a prefix, so the prefix cache is used);
-then runs, against that server and its log:
+then reads the slow-leak slope off /metrics (warm-up 0, so the first requests count) and runs,
+against that server and its log:
 
     ctxwarden diag mem snapshot --url URL
     ctxwarden doctor --url URL
@@ -135,6 +136,20 @@ def live_attention(url: str, request_id: str) -> str:
     return json.dumps(trim(record))
 
 
+def slope_metrics(url: str, num_completed: int, timeout_s: float = 30.0) -> str:
+    """The slow-leak slope's lines of /metrics, once its fit covers every request served."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        lines = [line for line in httpx.get(url + "/metrics", timeout=30).text.splitlines()
+                 if line.startswith("ctxwarden_process_rss_slope")]
+        done = [line for line in lines if line.startswith("ctxwarden_process_rss_slope_completed_requests ")]
+        if (done and float(done[0].split()[-1]) >= num_completed) or time.monotonic() > deadline:
+            return "\n".join(lines)
+        time.sleep(1.0)
+
+
 def main() -> int:
     """Serve, send traffic, run the commands, write the transcript."""
     from rich.progress import Progress
@@ -156,7 +171,8 @@ def main() -> int:
     with Progress() as progress:
         step = progress.add_task("diagnostics demo", total=3 + len(commands(url, log, img)))
         server = start_server(None, port, args.kv_memory, ("--request-log", str(log), "--crash-dir",
-                                                          str(work / "crash"), "--attention-sample-rate", "1"))
+                                                          str(work / "crash"), "--attention-sample-rate", "1",
+                                                          "--leak-warmup-requests", "0"))
         progress.advance(step)
         try:
             served = serve_traffic(progress, url, prompts, args.concurrency)
@@ -164,6 +180,7 @@ def main() -> int:
             sections.append(f"## {len(served)} requests served\n\n" + ", ".join(
                 f"{s['request_id']}: {s['usage']['prompt_tokens']} prompt tokens" for s in served[:6]) + ", ...")
             sections.append("## GET /debug/attention/demo-2\n\n```json\n" + live_attention(url, "demo-2") + "\n```")
+            sections.append("## /metrics: the slow-leak slope\n\n```\n" + slope_metrics(url, len(served)) + "\n```")
             progress.advance(step)
             for title, argv in commands(url, log, img):
                 sections.append(f"## ctxwarden {title}\n\n```\n{run_cli(argv)}\n```")

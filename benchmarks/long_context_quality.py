@@ -79,7 +79,9 @@ def mode_options(mode: str, args, max_len: int) -> dict:
     """EngineConfig options of one mode for prompts up to `max_len` tokens."""
     scaled = {"linear": "linear", "dynamic": "dynamic", "yarn": "yarn"}
     if mode == "none":
-        return {"max_model_len": max(max_len, TRAINED_WINDOW), "allow_long_max_model_len": max_len > TRAINED_WINDOW}
+        # + 1: the probe is scored with one token to generate after the prompt
+        return {"max_model_len": max(max_len + 1, TRAINED_WINDOW),
+                "allow_long_max_model_len": max_len + 1 > TRAINED_WINDOW}
     if mode in scaled:
         return {"rope_scaling": {"rope_type": scaled[mode], "factor": args.factor}}
     if mode == "sinks":

@@ -16,13 +16,8 @@ QUESTION = [{"role": "user", "content": "What is the capital of France? Answer i
 
 
 @pytest.fixture(scope="module")
-def hf():
-    transformers = pytest.importorskip("transformers")
-    path = default_model_path()
-    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                              dtype=torch.float32)
-    return tok, model.eval()
+def hf(hf_smollm2):
+    return hf_smollm2
 
 
 def test_chat_template_and_greedy_text_match_transformers(smollm, hf):

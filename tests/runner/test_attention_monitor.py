@@ -16,6 +16,7 @@ from ctxwarden.engine.config import EngineConfig
 from ctxwarden.engine.engine import Engine
 from ctxwarden.runner.attention_probe import probe_attention
 from ctxwarden.sampling import SamplingParams
+from runner_parity import hf_model
 
 ARCH_OPTIONS = {
     "llama": {},
@@ -24,10 +25,8 @@ ARCH_OPTIONS = {
 }
 
 
-def _reference(ids: list[int], model_dir) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation="eager", dtype=torch.float32)
+def _reference(ids: list[int], model) -> dict:
+    """Per-layer entropy, sink mass and sink rate, rollout: numpy on transformers' eager attentions."""
     with torch.no_grad():
         attentions = model(torch.tensor([ids]), output_attentions=True).attentions
     n = len(ids)
@@ -51,8 +50,24 @@ def test_entropy_sink_mass_rollout_match_transformers_eager(tiny_model, arch):
     engine = Engine(EngineConfig.build(model=str(model_dir), kv_memory="8MiB", attention_sample_rate=1.0,
                                        enable_prefix_caching=False))
     ids = [1 + (37 * j + 11) % 250 for j in range(45)]
+    _check_against_reference(probe_attention(engine, ids).to_dict(), _reference(ids, hf_model(model_dir)), ids)
+
+
+@pytest.mark.slow
+def test_smollm2_entropy_sink_mass_rollout_match_transformers_eager(hf_smollm2):
+    """The real default model (its Q4_1 GGUF, dequantized by both sides): 30 layers x 9 heads,
+    real attention with real sinks, not the near-uniform attention of a random checkpoint."""
+    engine = Engine(EngineConfig.build(kv_memory="64MiB", weights="fp32", attention_sample_rate=1.0,
+                                       enable_prefix_caching=False))
+    text = "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want of a wife."
+    ids = engine.tokenizer.encode(text)
     got = probe_attention(engine, ids).to_dict()
-    want = _reference(ids, model_dir)
+    want = _reference(ids, hf_smollm2[1])
+    assert max(want["sink_rate"], *(layer["sink_mass"].max() for layer in want["layers"])) > 0.3  # real sinks
+    _check_against_reference(got, want, ids)
+
+
+def _check_against_reference(got: dict, want: dict, ids: list[int]) -> None:
     for l, layer in enumerate(want["layers"]):
         np.testing.assert_allclose([h["entropy"] for h in got["layers"][l]], layer["entropy"], atol=1e-4, rtol=0)
         np.testing.assert_allclose([h["sink_mass"] for h in got["layers"][l]], layer["sink_mass"], atol=1e-4, rtol=0)

@@ -8,7 +8,7 @@ import pytest
 
 from ctxwarden.spec.checkpoint import default_model_path
 from ctxwarden.runner import ModelRunner, RunnerConfig
-from runner_parity import hf_model, hf_reference, paged_run
+from runner_parity import hf_reference, paged_run
 
 NUM_TOKENS = 64
 
@@ -22,14 +22,12 @@ def gguf_path():
 
 
 @pytest.mark.slow
-def test_greedy_chat_continuation_matches_transformers(gguf_path):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+def test_greedy_chat_continuation_matches_transformers(gguf_path, hf_smollm2):
+    tokenizer, model = hf_smollm2
     messages = [{"role": "user", "content": "Write a short poem about the sea and a lighthouse."}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
-    ref = hf_reference(hf_model(gguf_path.parent, gguf_file=gguf_path.name), prompt, NUM_TOKENS - 1)
+    ref = hf_reference(model, prompt, NUM_TOKENS - 1)
     runner = ModelRunner(None, RunnerConfig(num_blocks=16, block_size=16))
     ours = paged_run(runner, prompt, NUM_TOKENS - 1)
     assert ours.tokens == ref.tokens, tokenizer.decode(ours.tokens) + " != " + tokenizer.decode(ref.tokens)

@@ -36,7 +36,7 @@ def test_cli_writes_a_checkpoint_transformers_loads(tmp_path):
 @pytest.mark.parametrize("argv,message", [
     (["--arch", "llama", "--sliding-window", "8"], "llama has no sliding window"),
     (["--arch", "llama", "--heads", "3", "--kv-heads", "2"], "--kv-heads 2 must divide --heads 3"),
-    (["--arch", "llama", "--rope-scaling", "{bad"], "--rope-scaling is not valid JSON"),
+    (["--arch", "llama", "--rope-scaling", "{bad"], "rope_scaling is not valid JSON"),
     (["--arch", "llama", "--vocab-size", "100"], "too small for a byte-level tokenizer"),
 ])
 def test_cli_refuses_bad_options(tmp_path, argv, message):

@@ -16,6 +16,7 @@ import pytest
 from ctxwarden.diagnostics.request_log import read_lengths, read_request_log
 from ctxwarden.server.app import ServerConfig
 from ctxwarden.server.events import EventRing
+from key_files import admin_and_alpha_keys
 
 ADMIN = {"Authorization": "Bearer key-admin"}
 ALPHA = {"Authorization": "Bearer key-alpha"}
@@ -25,9 +26,7 @@ TRACE = "0af7651916cd43dd8448eb211c80319c"
 @pytest.fixture(scope="module")
 def logged_server(serve, tiny_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("events")
-    keys = root / "keys.txt"
-    keys.write_text("key-admin ops role=admin\nkey-alpha alpha\n")
-    keys.chmod(0o600)
+    keys = admin_and_alpha_keys(root)
     log = root / "requests.jsonl"
     with serve(ServerConfig.build(model=str(tiny_dir), kv_memory="8MiB", api_keys=str(keys),
                                   request_log=str(log))) as s:

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from ctxwarden.server.app import ServerConfig
+from key_files import admin_and_alpha_keys
 
 ADMIN = {"Authorization": "Bearer key-admin"}
 ALPHA = {"Authorization": "Bearer key-alpha"}
@@ -29,9 +30,7 @@ NUM_LONG = 6
 @pytest.fixture(scope="module")
 def incident(serve, tiny_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("incident")
-    keys = root / "keys.txt"
-    keys.write_text("key-admin ops role=admin\nkey-alpha alpha\n")
-    keys.chmod(0o600)
+    keys = admin_and_alpha_keys(root)
     config = ServerConfig.build(model=str(tiny_dir), kv_memory="256KiB", api_keys=str(keys),
                                 crash_dir=str(root / "crashes"), memory_sample_interval_s=INTERVAL_S)
     with serve(config) as s:

@@ -58,13 +58,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _rope_scaling(text: str | None):
-    if text is None:
-        return None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--rope-scaling is not valid JSON ({e}); "
-                         'example: \'{"rope_type": "linear", "factor": 2.0}\'') from None
-    if not isinstance(value, dict):
-        raise ValueError(f"--rope-scaling must be a JSON object, got {text!r}")
-    return value
+    """--rope-scaling JSON, checked as the engine checks its rope_scaling option."""
+    from ctxwarden.spec.rope_scaling import parse_rope_scaling
+
+    return parse_rope_scaling(text)

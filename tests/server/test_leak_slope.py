@@ -8,6 +8,7 @@ completed requests; the sampler refits Theil-Sen every 10 samples and /metrics e
 
 from __future__ import annotations
 
+import gc
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,6 +17,7 @@ import pytest
 from live_server import ServerThread
 
 from ctxwarden.diagnostics.doctor import server_findings
+from ctxwarden.diagnostics.leaks import malloc_trim
 from ctxwarden.server.app import ServerConfig, create_app
 
 LEAK_BYTES = 256 * 1024
@@ -71,6 +73,10 @@ def _fitted(server: ServerThread, num_completed: int, timeout_s: float = 20.0) -
 @pytest.mark.parametrize("planted", [True, False], ids=["leak-256KiB", "clean"])
 def test_the_leak_slope_gauge_reads_a_planted_leak_and_zero_on_clean_traffic(tiny_dir, planted):
     kept = [] if planted else None
+    # earlier tests' garbage (engines of hundreds of MiB in reference cycles) must not be
+    # collected in the middle of this one: that drop would be read as a negative slope
+    gc.collect()
+    malloc_trim()
     server = ServerThread(_app(tiny_dir, kept)).start()
     try:
         text = httpx.get(server.url + "/metrics", timeout=10).text

@@ -22,14 +22,15 @@ from ctxwarden.server.app import ServerConfig, create_app
 
 LEAK_BYTES = 256 * 1024
 NUM_WARMUP = 20  # the server's own warm-up (ServerConfig.leak_warmup_requests)
-NUM_REQUESTS = 160  # after the warm-up
+NUM_REQUESTS = 280  # after the warm-up: 300 in all, as in the issue
 # Within 20% (the issue's bound for the offline detector): the planted bytes plus page
 # rounding and the allocator's own bookkeeping, against the noise of the test client's
-# threads, which share the process (measured: 265-279 KiB, +1% to +6%, 3 runs).
+# threads, which share the process (measured: 258,809-271,122 B/request, R^2 >= 0.992, 8 runs).
 LEAK_TOLERANCE = 0.20
-# Clean traffic: 1.9-4.3 KiB per request measured (3 runs; R^2 below 0.5: not steady),
-# the server's bounded rings and caches still filling; 16 KiB is 6% of the planted leak.
-CLEAN_BOUND_BYTES = 16 * 1024
+# Clean traffic: 0.7-11.0 KiB per request measured (8 runs, R^2 <= 0.45), not attributed (an
+# event ring of 10 instead of 20,000 reads the same); 32 KiB is 12% of the planted leak.
+# Doctor calls a server's slope a leak only from 16 KiB/request with R^2 >= 0.5.
+CLEAN_BOUND_BYTES = 32 * 1024
 SLOPE = "ctxwarden_process_rss_slope_bytes_per_request"
 
 

@@ -341,6 +341,12 @@ def server_findings(snap: dict) -> list[Finding]:
     return out
 
 
+# A live server's clean traffic read up to 11 KiB per request (tiny model, the test client
+# in the same process; not attributed): below this floor the gauge still shows a slope, but
+# doctor does not call it a leak (16 KiB/request at 1 request/s is 56 MiB/hour).
+SERVER_MIN_SLOPE_BYTES = 16 * 1024
+
+
 def _server_slope_finding(slope: dict | None) -> Finding:
     """The server's own slow-leak slope (its 1 Hz samples against completed requests)."""
     if slope is None:
@@ -351,7 +357,8 @@ def _server_slope_finding(slope: dict | None) -> Finding:
 
     from ctxwarden.diagnostics.leaks import SlopeFit, slope_verdict
 
-    verdict, reason = slope_verdict(SlopeFit(**{f.name: slope[f.name] for f in fields(SlopeFit)}))
+    verdict, reason = slope_verdict(SlopeFit(**{f.name: slope[f.name] for f in fields(SlopeFit)}),
+                                    min_slope_bytes=SERVER_MIN_SLOPE_BYTES)
     severity = {"leak": "high", "inconclusive": "info", "no leak": "ok"}[verdict]
     fix = {"leak": "diff two snapshots (`ctxwarden diag mem diff`) to see which figure grows",
            "inconclusive": "a step (caches filling) or noise: look again later, or raise --leak-warmup-requests",

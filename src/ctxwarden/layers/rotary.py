@@ -43,6 +43,15 @@ class RotaryEmbedding:
         """Whether the frequencies depend on the sequence length (dynamic NTK, LongRoPE)."""
         return self.rope.rope_type in _LENGTH_DEPENDENT
 
+    def rotates_by_length(self, seq_len: int) -> bool:
+        """Whether a prompt of `seq_len` tokens is rotated otherwise than a short one (a
+        length-dependent variant past its threshold): its KV then only matches prompts of the
+        same length."""
+        if not self.is_length_dependent:
+            return False
+        inv_freq, scaling = _inv_freq(self.rope, self.rotary_dim, self.max_position_embeddings, seq_len)
+        return scaling != self.attention_scaling or not torch.equal(inv_freq, self.inv_freq)
+
     def cos_sin(self, positions: torch.Tensor, seq_lens: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [num_tokens, rotary_dim] for `positions` [num_tokens].

@@ -63,6 +63,9 @@ class Request:
     priority: int = 0  # lower runs first; ties go to the earlier arrival
     reads_prefix_cache: bool = True  # False: compute every prompt token (prompt logprobs)
     share: TenantShare = field(default_factory=TenantShare)
+    # more prefix-cache salt: KV that only this kind of request may share (length-dependent
+    # RoPE past its trained length rotates keys by the prompt's length)
+    cache_keys: tuple[bytes, ...] = ()
     arrival_s: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache

@@ -136,3 +136,26 @@ def test_serve_and_generate_take_rope_scaling_and_the_long_flag():
         assert cfg.rope_scaling == {"rope_type": "yarn", "factor": 4} and cfg.allow_long_max_model_len
     args = build_parser().parse_args(["serve", "--on-overflow", "truncate-middle"])
     assert args.on_overflow == "truncate-middle"
+
+
+@pytest.mark.parametrize("variant", ["dynamic", "longrope"])
+def test_length_dependent_rope_kv_is_shared_only_with_prompts_of_the_same_length(base_dir, variant):
+    """A 200-token prompt past the trained window (64) rotates its keys for 200 tokens; a
+    48-token prompt that starts the same way must not reuse them (it rotates as a short prompt),
+    while the same long prompt again does. The short prompt's output equals a fresh engine's."""
+    option = {"rope_scaling": VARIANTS[variant][0], "enable_prefix_caching": True, "block_size": 16,
+              "kv_memory": "8MiB"}
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=1)
+    short = PROMPT[:48]
+
+    def run(llm, prompt):
+        out = llm.generate([prompt], params)[0]
+        return out.token_ids, [lp.logprob for lp in out.logprobs], out.num_cached_tokens
+
+    fresh = run(LLM(model=str(base_dir), **option), short)
+    llm = LLM(model=str(base_dir), **option)
+    run(llm, PROMPT)
+    after_long = run(llm, short)
+    assert after_long[2] == 0 and after_long[:2] == fresh[:2]
+    assert run(llm, PROMPT)[2] >= 192  # the same length still shares its blocks
+    assert run(llm, short)[2] >= 32  # and short prompts share among themselves

@@ -86,20 +86,22 @@ def tables_for(runner: ModelRunner, pages: PageAllocator, max_tokens: int):
 
 
 def paged_run(runner: ModelRunner, prompt: list[int], num_decode: int,
-              chunk_tokens: int | None = None, seed: int = 0) -> Reference:
-    """Prefill (optionally in chunks) and decode greedily through the paged runner."""
+              chunk_tokens: int | None = None, seed: int = 0, rope_prompt: bool = False) -> Reference:
+    """Prefill (optionally in chunks) and decode greedily through the paged runner; with
+    `rope_prompt`, every input says the prompt's length (SequenceInput.rope_prompt_tokens)."""
+    known = len(prompt) if rope_prompt else 0
     pages = PageAllocator(runner.config.num_blocks, seed)
     tables = tables_for(runner, pages, len(prompt) + num_decode + 1)
     chunk = chunk_tokens or len(prompt)
     rows = []
     for start in range(0, len(prompt), chunk):
         piece = prompt[start:start + chunk]
-        rows.append(runner.forward(ForwardBatch((SequenceInput.chunk(piece, start, tables, "all"),))))
+        rows.append(runner.forward(ForwardBatch((SequenceInput.chunk(piece, start, tables, "all", known),))))
     ref = Reference(torch.cat(rows))
     token, cached = int(ref.prefill_logits[-1].argmax()), len(prompt)
     for _ in range(num_decode):
         ref.tokens.append(token)
-        logits = runner.forward(ForwardBatch((SequenceInput.chunk([token], cached, tables),)))[0]
+        logits = runner.forward(ForwardBatch((SequenceInput.chunk([token], cached, tables, "last", known),)))[0]
         ref.decode_logits.append(logits)
         token, cached = int(logits.argmax()), cached + 1
     ref.tokens.append(token)

@@ -23,10 +23,11 @@ def _reference(model_dir, length: int, num_decode: int = NUM_DECODE, seed: int =
     return _HF[key]
 
 
-def _check(model_dir, length: int, block_size: int, chunk_tokens: int | None = None, **config):
+def _check(model_dir, length: int, block_size: int, chunk_tokens: int | None = None, rope_prompt: bool = False,
+           **config):
     ref = _reference(model_dir, length)
     runner = make_runner(model_dir, block_size, length + NUM_DECODE + 1, **config)
-    ours = paged_run(runner, prompt_ids(length, 512), NUM_DECODE, chunk_tokens)
+    ours = paged_run(runner, prompt_ids(length, 512), NUM_DECODE, chunk_tokens, rope_prompt=rope_prompt)
     diff = max_diff(ours, ref)
     assert diff < TOL, f"max |logit diff| {diff:.2e} >= {TOL}"
     assert ours.tokens == ref.tokens
@@ -90,6 +91,18 @@ def test_partial_rotary_with_longrope(tiny_model):
         "short_factor": [1.0 + 0.1 * i for i in range(4)],
         "long_factor": [1.0 + 0.5 * i for i in range(4)]})
     _check(tiny_model("phi3", **options), 100, block_size=16)
+
+
+@pytest.mark.parametrize("name", ["dynamic", "longrope"])
+def test_length_dependent_rope_in_chunks_equals_one_forward_over_the_prompt(tiny_model, name):
+    """A 100-token prompt past the trained length (64 / 48), prefilled in chunks of 33: told the
+    prompt's length, every chunk rotates as transformers' single forward over the prompt did
+    (then decode steps as in generate). Without it, the first chunks take the unscaled base
+    (dynamic) or the short factors (longrope) and the logits move far past the tolerance."""
+    model_dir = tiny_model("llama", **ROPE_CASES[name][0])
+    _check(model_dir, 100, block_size=16, chunk_tokens=33, rope_prompt=True)
+    with pytest.raises(AssertionError, match="max .logit diff"):
+        _check(model_dir, 100, block_size=16, chunk_tokens=33)
 
 
 @pytest.mark.parametrize("arch,chunk", [("llama", 33), ("llama", 16), ("mistral", 10), ("gemma2", 40)])

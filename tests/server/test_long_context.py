@@ -48,6 +48,8 @@ def test_streaming_mode_serves_a_12k_token_prompt_with_the_context_headers(tiny_
         reply, h = raw.parse(), raw.headers
         assert reply.usage.prompt_tokens == num_tokens and reply.usage.completion_tokens >= 1
         assert h["x-context-mode"] == "streaming"
+        card = _client(s).models.list().data[0].model_extra
+        assert (card["context_mode"], card["attention_window"], card["model_window"]) == ("streaming", 260, 1024)
         assert (h["x-context-sink-tokens"], h["x-context-window-tokens"], h["x-context-window"]) == ("4", "256", "260")
         assert int(h["x-context-used"]) == num_tokens and h["x-context-attended"] == "260"
         assert int(h["x-context-evicted"]) == num_tokens - 260 and "x-context-remaining" not in h
@@ -190,7 +192,9 @@ def test_rope_scaling_stretches_the_window_the_server_advertises_and_admits(tiny
     yarn = '{"rope_type": "yarn", "factor": 4}'
     with serve(ServerConfig.build(model=str(tiny_dir), kv_memory="16MiB", rope_scaling=yarn)) as s:
         client = _client(s)
-        assert [m.model_extra["context_window"] for m in client.models.list().data] == [4096]
+        card = client.models.list().data[0].model_extra
+        assert (card["context_window"], card["model_window"], card["context_mode"]) == (4096, 4096, "full")
+        assert card["rope_scaling"]["rope_type"] == "yarn" and card["attention_window"] is None
         messages = [{"role": "user", "content": " ".join(_sentences(100))}]
         raw = client.chat.completions.with_raw_response.create(model=_model(s), messages=messages, max_tokens=2)
         assert 1024 < raw.parse().usage.prompt_tokens < 4096 and raw.headers["x-context-window"] == "4096"

@@ -193,7 +193,8 @@ class Engine:
         # every prompt position must be computed to be scored, so such a request takes no
         # prefix-cache hit (vLLM skips the cache too); its blocks are still cached for others
         req = Request(request_id, ids, params, namespace=namespace, priority=priority,
-                      reads_prefix_cache=params.prompt_logprobs is None, share=share or TenantShare())
+                      reads_prefix_cache=params.prompt_logprobs is None, share=share or TenantShare(),
+                      cache_keys=self.runner.model.rope_cache_keys(len(ids)))
         self.outputs.start(req)
         self.scheduler.add(req)
         self.requests[request_id] = req

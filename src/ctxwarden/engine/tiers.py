@@ -115,7 +115,7 @@ class TierMover:
         if end <= first:
             return
         tokens = tuple(req.all_token_ids[:end * bs])
-        root = root_hash(req.namespace, self.extra_keys)
+        root = root_hash(req.namespace, self.extra_keys + req.cache_keys)
         chain: list[bytes] = []
         extend_chain(chain, root, tokens, bs, end)
         rows = self.cache.read_pages(s.block_tables.groups[0][first:end])

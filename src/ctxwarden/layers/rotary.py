@@ -6,9 +6,11 @@ inverse frequencies, same attention scaling), re-derived here from a `RopeConfig
 Two variants depend on the sequence length seen so far, and transformers decides that per
 forward call from the largest position in it: dynamic NTK stretches the base once positions
 pass `max_position_embeddings`, LongRoPE switches from `short_factor` to `long_factor` past
-`original_max_position_embeddings`. Here the decision is made per sequence of a batch (each
-sequence's largest new position), which equals transformers' rule for a batch of one.
-Keys already cached keep the rotation they were written with, exactly as in transformers.
+`original_max_position_embeddings`. Here the decision is made per token from the length its
+sequence is given (runner/inputs.py `rope_lengths`): the engine gives every prompt token the
+prompt's length, so a prompt prefilled in chunks rotates as transformers' one forward over it,
+and a generated token at position p the length p + 1, as its decode step in `generate`. Keys
+already cached keep the rotation they were written with, exactly as in transformers.
 
 Tokens are rotated NeoX-style (first half against second half), the layout of Hugging Face
 checkpoints; GGUF llama weights are un-permuted at load time to match.
@@ -40,6 +42,15 @@ class RotaryEmbedding:
     def is_length_dependent(self) -> bool:
         """Whether the frequencies depend on the sequence length (dynamic NTK, LongRoPE)."""
         return self.rope.rope_type in _LENGTH_DEPENDENT
+
+    def rotates_by_length(self, seq_len: int) -> bool:
+        """Whether a prompt of `seq_len` tokens is rotated otherwise than a short one (a
+        length-dependent variant past its threshold): its KV then only matches prompts of the
+        same length."""
+        if not self.is_length_dependent:
+            return False
+        inv_freq, scaling = _inv_freq(self.rope, self.rotary_dim, self.max_position_embeddings, seq_len)
+        return scaling != self.attention_scaling or not torch.equal(inv_freq, self.inv_freq)
 
     def cos_sin(self, positions: torch.Tensor, seq_lens: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:

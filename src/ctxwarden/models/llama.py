@@ -88,6 +88,14 @@ class LlamaForCausalLM:
                                              spec.max_position_embeddings)
                              if spec.rope_local is not None else None)
 
+    def rope_cache_keys(self, num_prompt_tokens: int) -> tuple[bytes, ...]:
+        """Prefix-cache salt for a prompt whose keys are rotated by its length (dynamic NTK or
+        LongRoPE past the trained length): such KV is shared only with prompts of that length."""
+        rotaries = (self.rotary, self.rotary_local)
+        if any(r is not None and r.rotates_by_length(num_prompt_tokens) for r in rotaries):
+            return (f"rope-length:{num_prompt_tokens}".encode(),)
+        return ()
+
     # ---- loading -----------------------------------------------------------------------
 
     @classmethod

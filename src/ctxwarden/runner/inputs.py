@@ -29,6 +29,11 @@ class SequenceInput:
     num_computed_tokens: int  # tokens of this sequence whose KV is already in the pool
     block_tables: tuple[tuple[int, ...], ...]  # one per KV group, logical block -> page id
     logits_rows: tuple[int, ...]  # indices into token_ids whose logits to return, ascending
+    # The prompt's length when known (0: not given). Length-dependent RoPE (dynamic NTK,
+    # LongRoPE) then rotates every prompt token as one forward over the whole prompt would,
+    # however the prompt is chunked, and a later token at position p with length p + 1 (as
+    # its decode step did). Without it, each token takes this step's context length.
+    rope_prompt_tokens: int = 0
 
     def __post_init__(self):
         if not self.token_ids:
@@ -41,15 +46,23 @@ class SequenceInput:
                              f"got {self.logits_rows}")
 
     @classmethod
-    def chunk(cls, token_ids, num_computed_tokens: int, block_tables, logits: str = "last"
-              ) -> "SequenceInput":
+    def chunk(cls, token_ids, num_computed_tokens: int, block_tables, logits: str = "last",
+              rope_prompt_tokens: int = 0) -> "SequenceInput":
         """Build one sequence's input; `logits` is 'last' (sampling), 'all' or 'none'."""
         n = len(token_ids)
         rows = {"last": (n - 1,), "all": tuple(range(n)), "none": ()}
         if logits not in rows:
             raise ValueError(f"logits must be 'last', 'all' or 'none', got {logits!r}")
         return cls(tuple(int(t) for t in token_ids), num_computed_tokens,
-                   tuple(tuple(int(b) for b in bt) for bt in block_tables), rows[logits])
+                   tuple(tuple(int(b) for b in bt) for bt in block_tables), rows[logits], rope_prompt_tokens)
+
+    @property
+    def rope_lengths(self) -> list[int]:
+        """Per new token, the sequence length its length-dependent RoPE is computed for."""
+        if not self.rope_prompt_tokens:
+            return [self.context_tokens] * self.num_new_tokens
+        p = self.rope_prompt_tokens
+        return [p if pos < p else pos + 1 for pos in self.positions]
 
     @property
     def num_new_tokens(self) -> int:
@@ -146,7 +159,7 @@ def build_step_inputs(batch: ForwardBatch, layout: KVLayout, num_blocks: int) ->
     for seq in batch.sequences:
         ids.extend(seq.token_ids)
         pos.extend(seq.positions)
-        lens.extend([seq.context_tokens] * seq.num_new_tokens)
+        lens.extend(seq.rope_lengths)
         rows.extend(start + r for r in seq.logits_rows)
         start += seq.num_new_tokens
     groups = tuple(_group_inputs(batch, layout, g) for g in range(layout.num_groups))

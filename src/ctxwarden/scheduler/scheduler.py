@@ -316,7 +316,7 @@ class Scheduler:
         """Allocate a waiting request's prefix hit, what the tiers supply after it, and its
         first chunk: its new tokens, 0 when the step has no contended budget left for it,
         None when the pool cannot hold it."""
-        tokens, reads, keys = req.all_token_ids, req.reads_prefix_cache, self.extra_keys
+        tokens, reads, keys = req.all_token_ids, req.reads_prefix_cache, self.extra_keys + req.cache_keys
         hit = self.kv.find_prefix(tokens, req.namespace, keys, read_cache=reads)
         n = budget.chunk(req, len(tokens) - hit.num_computed_tokens, self.fair)
         if n == 0:
@@ -339,7 +339,8 @@ class Scheduler:
         return alloc.num_new_tokens
 
     def _swap_in(self, req: Request, swapped_in: list[SwapIn]) -> bool:
-        tokens, reads, keys = req.all_token_ids[:req.num_computed_tokens], req.reads_prefix_cache, self.extra_keys
+        tokens, reads = req.all_token_ids[:req.num_computed_tokens], req.reads_prefix_cache
+        keys = self.extra_keys + req.cache_keys
         if not self.kv.can_allocate(tokens, req.namespace, keys, read_cache=reads):
             return False
         alloc = self.kv.allocate(req.request_id, tokens, req.namespace, keys, read_cache=reads)
@@ -367,11 +368,10 @@ class Scheduler:
         most = (len(tokens) - 1) // bs - num_hit_blocks
         if most < 1:
             return None
-        n = min(len(tokens) - (num_hit_blocks + most) * bs, max_chunk_tokens)
-        if not self.kv.can_allocate(tokens, req.namespace, self.extra_keys, max_num_new_tokens=n,
-                                    num_fetched_blocks=most):
+        n, keys = min(len(tokens) - (num_hit_blocks + most) * bs, max_chunk_tokens), self.extra_keys + req.cache_keys
+        if not self.kv.can_allocate(tokens, req.namespace, keys, max_num_new_tokens=n, num_fetched_blocks=most):
             return None  # under pool pressure: no room for fetched pages now
-        return fetch_prefix(self.tiers, self.kv, req, num_hit_blocks, self.extra_keys, most, self.tier_fetch)
+        return fetch_prefix(self.tiers, self.kv, req, num_hit_blocks, keys, most, self.tier_fetch)
 
     def reset_prefix_cache(self) -> tuple[int, SchedulerOutput]:
         """Evict the pool's unowned cached blocks: how many, and the spills to copy out now."""

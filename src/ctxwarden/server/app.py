@@ -270,7 +270,7 @@ def _add_info_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics, t
     async def models(tenant: Tenant = Depends(tenant_of)) -> ModelList:
         """The served models (the primary first) and their context windows."""
         state.check_ready()
-        return ModelList(data=[ModelCard(id=e.name, context_window=e.max_model_len) for e in state.engines])
+        return ModelList(data=[_model_card(e) for e in state.engines])
 
     @app.get("/metrics", response_class=Response)
     async def prometheus(accept: str | None = Header(default=None)) -> Response:
@@ -284,6 +284,16 @@ def _add_info_routes(app: FastAPI, state: ServerState, metrics: ServerMetrics, t
                                                      {e.name: e.attention for e in state.engines},
                                                      sampler.slope if sampler is not None else None)
         return Response(body, media_type=media_type)
+
+
+def _model_card(e: AsyncEngine) -> ModelCard:
+    """One served model: its admitted length and, in ctxwarden's fields, what it attends to."""
+    c = e.engine.config
+    streaming = c.is_unbounded_length
+    return ModelCard(id=e.name, context_window=e.max_model_len, context_mode="streaming" if streaming else "full",
+                     model_window=e.engine.window.window_tokens,
+                     attention_window=c.sink_tokens + c.window_tokens if streaming else None,
+                     rope_scaling=c.rope_scaling)
 
 
 def _is_loopback(host: str) -> bool:

@@ -127,7 +127,12 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "ctxwarden"
-    context_window: int
+    context_window: int  # the longest prompt + completion admitted (max_model_len)
+    # ctxwarden's own fields: what the model attends to (as the x-context-* headers say)
+    context_mode: Literal["full", "streaming"] = "full"
+    model_window: int | None = None  # the trained window, x the RoPE scaling factor if any
+    attention_window: int | None = None  # streaming: sink + rolling-window tokens attended
+    rope_scaling: dict | None = None
 
 
 class ModelList(BaseModel):

@@ -220,6 +220,18 @@ def create_app(config: ServerConfig, engines: list[AsyncEngine] | None = None) -
     errors.install(app)
     app.add_middleware(RequestContextMiddleware, max_body_bytes=config.max_body_bytes)
 
+    tenant_of, admin_of = _auth_dependencies(tenants)
+    app.state.admin_of = admin_of  # for the diagnostics routes
+    app.state.sampler = sampler
+    _add_info_routes(app, state, metrics, tenant_of)
+    add_debug_routes(app, state, admin_of, config.cgroup_root, sampler)
+    _add_completion_routes(app, _Serving(state, metrics, limiter, config.on_overflow, request_log, crash),
+                           tenant_of)
+    return app
+
+
+def _auth_dependencies(tenants: TenantDirectory):
+    """FastAPI dependencies: the caller's tenant (from its API key), and the same for admins."""
     async def tenant_of(authorization: str | None = Header(default=None)) -> Tenant:
         tenant = tenants.resolve(authorization)
         if tenant is None:
@@ -238,13 +250,7 @@ def create_app(config: ServerConfig, engines: list[AsyncEngine] | None = None) -
                            code="admin_required")
         return tenant
 
-    app.state.admin_of = admin_of  # for the diagnostics routes
-    app.state.sampler = sampler
-    _add_info_routes(app, state, metrics, tenant_of)
-    add_debug_routes(app, state, admin_of, config.cgroup_root, sampler)
-    _add_completion_routes(app, _Serving(state, metrics, limiter, config.on_overflow, request_log, crash),
-                           tenant_of)
-    return app
+    return tenant_of, admin_of
 
 
 def _diagnostics(config: ServerConfig, state: ServerState):

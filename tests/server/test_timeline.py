@@ -1,7 +1,7 @@
 """Incident timeline and crash bundle on a live server with a tiny KV pool.
 
 Six long requests sent at once to a pool for about two preempt each other; then an injected step fault
-(a forward that grabs 128 MiB, keeps it, and raises) fails one request with a 500. The
+(a forward that grabs 384 MiB, keeps it, and raises) fails one request with a 500. The
 timeline must hold every request's events in order, the error event, and the memory spike
 in the first sample after the error; the crash bundle must name the failing request and hold
 no prompt text.
@@ -50,7 +50,7 @@ def _inject_fault(server, kept: list):
 
         def faulty(batch):
             engine.runner.forward = real  # one fault only
-            kept.append(torch.ones(32 * MiB))  # 128 MiB, touched and kept: the spike
+            kept.append(torch.ones(96 * MiB))  # 384 MiB, touched and kept: the spike
             kept.append(time.time())
             raise RuntimeError("injected step fault")
         engine.runner.forward = faulty
@@ -97,7 +97,8 @@ def test_timeline_and_crash_bundle_of_an_injected_step_error(incident, tmp_path,
     # process has since freed (once read as -589 MiB in a shared pytest process)
     baseline = [s["leak_basis_bytes"] for s in samples if s["time"] < kept[1]][-1]
     first_after = next(s for s in samples if s["time"] >= kept[1])
-    assert first_after["leak_basis_bytes"] - baseline >= 100 * MiB
+    # at least half of it: part of a new tensor can land in pages the allocator already holds
+    assert first_after["leak_basis_bytes"] - baseline >= 192 * MiB
     assert first_after["time"] - error_at <= INTERVAL_S + 0.25
     assert tl["peak"]["time"] >= kept[1] and tl["counts"]["error"] == 1
     assert png.stat().st_size > 10_000

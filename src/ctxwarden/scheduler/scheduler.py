@@ -312,11 +312,15 @@ class Scheduler:
         self.finish(req, FinishReason.ERROR)
         refused.append(req)
 
+    def _chain_keys(self, req: Request) -> tuple[bytes, ...]:
+        """What salts `req`'s prefix chain besides its namespace: the model's keys, then its own."""
+        return self.extra_keys + req.cache_keys
+
     def _admit_new(self, req: Request, budget: "_StepBudget") -> int | None:
         """Allocate a waiting request's prefix hit, what the tiers supply after it, and its
         first chunk: its new tokens, 0 when the step has no contended budget left for it,
         None when the pool cannot hold it."""
-        tokens, reads, keys = req.all_token_ids, req.reads_prefix_cache, self.extra_keys + req.cache_keys
+        tokens, reads, keys = req.all_token_ids, req.reads_prefix_cache, self._chain_keys(req)
         hit = self.kv.find_prefix(tokens, req.namespace, keys, read_cache=reads)
         n = budget.chunk(req, len(tokens) - hit.num_computed_tokens, self.fair)
         if n == 0:
@@ -340,7 +344,7 @@ class Scheduler:
 
     def _swap_in(self, req: Request, swapped_in: list[SwapIn]) -> bool:
         tokens, reads = req.all_token_ids[:req.num_computed_tokens], req.reads_prefix_cache
-        keys = self.extra_keys + req.cache_keys
+        keys = self._chain_keys(req)
         if not self.kv.can_allocate(tokens, req.namespace, keys, read_cache=reads):
             return False
         alloc = self.kv.allocate(req.request_id, tokens, req.namespace, keys, read_cache=reads)
@@ -368,7 +372,7 @@ class Scheduler:
         most = (len(tokens) - 1) // bs - num_hit_blocks
         if most < 1:
             return None
-        n, keys = min(len(tokens) - (num_hit_blocks + most) * bs, max_chunk_tokens), self.extra_keys + req.cache_keys
+        n, keys = min(len(tokens) - (num_hit_blocks + most) * bs, max_chunk_tokens), self._chain_keys(req)
         if not self.kv.can_allocate(tokens, req.namespace, keys, max_num_new_tokens=n, num_fetched_blocks=most):
             return None  # under pool pressure: no room for fetched pages now
         return fetch_prefix(self.tiers, self.kv, req, num_hit_blocks, keys, most, self.tier_fetch)

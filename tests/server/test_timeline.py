@@ -45,11 +45,20 @@ def _post(server, path, body, request_id):
 def _inject_fault(server, kept: list):
     import torch
 
+    from ctxwarden.diagnostics.leaks import malloc_trim
+
     def arm(engine):
         real = engine.runner.forward
 
         def faulty(batch):
             engine.runner.forward = real  # one fault only
+            # the engine trims the heap when this step leaves it idle; trim first and let a
+            # sample see the trimmed heap, so that trim cannot eat into the spike
+            malloc_trim()
+            time.sleep(1.5 * INTERVAL_S)
+            # filling 384 MiB takes a few tenths of a second and a sample can land mid-fill
+            # (CI saw 171 of 384 MiB against such a baseline): time the fill's start and end
+            kept.append(time.time())
             kept.append(torch.ones(96 * MiB))  # 384 MiB, touched and kept: the spike
             kept.append(time.time())
             raise RuntimeError("injected step fault")
@@ -93,14 +102,14 @@ def test_timeline_and_crash_bundle_of_an_injected_step_error(incident, tmp_path,
     # the spike: the first sample after the fault shows it, within one sample interval
     error_at = next(e["time"] for e in events if e["kind"] == "error")
     samples = [r for r in tl["rows"] if r["type"] == "sample"]
-    # the sample just before: an earlier maximum may hold garbage of earlier tests that the
+    # the last sample before the fill began: an earlier maximum may hold garbage of earlier tests that the
     # process has since freed (once read as -589 MiB in a shared pytest process)
-    baseline = [s["leak_basis_bytes"] for s in samples if s["time"] < kept[1]][-1]
-    first_after = next(s for s in samples if s["time"] >= kept[1])
+    baseline = [s["leak_basis_bytes"] for s in samples if s["time"] < kept[0]][-1]
+    first_after = next(s for s in samples if s["time"] >= kept[2])
     # at least half of it: part of a new tensor can land in pages the allocator already holds
     assert first_after["leak_basis_bytes"] - baseline >= 192 * MiB
     assert first_after["time"] - error_at <= INTERVAL_S + 0.25
-    assert tl["peak"]["time"] >= kept[1] and tl["counts"]["error"] == 1
+    assert tl["peak"]["time"] >= kept[2] and tl["counts"]["error"] == 1
     assert png.stat().st_size > 10_000
     bundles = list((root / "crashes").glob("crash-*.json"))
     assert len(bundles) == 1, bundles

@@ -47,12 +47,15 @@ bench: install
 	$(BIN)/ctxwarden bench
 
 # llama-cpp-python for the benchmark only, in its own venv (a ~10-minute source build).
-# ggml's AMX path crashed (SIGSEGV in batched matmuls) on this VM, so it is built with
-# AVX-512 (VNNI, BF16) but without AMX: the CPU flags are named instead of -march=native.
+# ggml's AMX path crashed (SIGSEGV in batched matmuls) on an AMX Xeon, so on a CPU with AMX
+# it is built with AVX-512 (VNNI, BF16) named flag by flag instead of -march=native; any
+# other CPU (an AVX2-only EPYC, say, where those flags would be illegal instructions) gets
+# ggml's native build.
 PEERS_VENV := benchmarks/.venv-peers
-LLAMA_CPP_FLAGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+LLAMA_CPP_AMX_FLAGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
 	-DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON \
 	-DGGML_AVX512_BF16=ON
+LLAMA_CPP_FLAGS := $(if $(shell grep -m1 -o -w amx_tile /proc/cpuinfo 2>/dev/null),$(LLAMA_CPP_AMX_FLAGS),-DGGML_NATIVE=ON)
 bench-peers:
 	$(PY) -m venv $(PEERS_VENV)
 	CMAKE_ARGS="$(LLAMA_CPP_FLAGS)" $(PEERS_VENV)/bin/pip install llama-cpp-python==0.3.36

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ctxwarden.ext import kernels
+from ctxwarden.ext import has_vector_kernels, kernels
 from ctxwarden.layers.quant import Q4, QuantizedWeight, dequantize
 
 # Rows at which a quantized weight is dequantized for one dense GEMM instead of being
@@ -69,13 +69,14 @@ def pack_linear(weight: torch.Tensor | QuantizedWeight, enabled: bool = True,
                 dense_dtype: torch.dtype = torch.float32) -> LinearWeight:
     """Prepare `weight` [out, in] for `linear` (reordered for oneDNN where possible).
 
-    A quantized weight stays quantized when the ext/ kernels are built (expanded to
-    `dense_dtype` for prefill-sized steps); without them it is dequantized here to fp32
-    and takes the dense path: the dequantized model's numbers, at dense speed and size.
+    A quantized weight stays quantized when the ext/ kernels are built with a vector path
+    (expanded to `dense_dtype` for prefill-sized steps); without them it is dequantized
+    here to fp32 and takes the dense path: the dequantized model's numbers, at dense speed
+    and size.
     """
     if isinstance(weight, QuantizedWeight):
         out_features, in_features = weight.shape
-        if kernels() is not None:
+        if has_vector_kernels():
             return LinearWeight(weight.codes, False, out_features, in_features, weight, dense_dtype)
         weight = dequantize(weight)
     out_features, in_features = weight.shape

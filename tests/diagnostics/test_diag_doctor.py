@@ -78,7 +78,8 @@ def test_thread_and_policy_findings():
     over = dataclasses.replace(env, torch={**env.torch, "num_threads": 8})
     assert "OMP_NUM_THREADS=2" in by_what(environment_findings(over, IDLE), "more torch threads")[0].fix
     no_avx512 = dataclasses.replace(env, cpu={"model": "old", "flags": {"avx2": True}})
-    assert by_what(environment_findings(no_avx512, IDLE), "no AVX-512")[0].severity == "warning"
+    found = by_what(environment_findings(no_avx512, IDLE), "no AVX-512")[0]
+    assert found.severity == "info" and "bf16" in found.what  # AVX2 fp32 is not slow (doctor.py)
     swapping = dataclasses.replace(env, memory={**env.memory, "swap_used_bytes": 2**30})
     assert by_what(environment_findings(swapping, IDLE), "swap is in use")
 

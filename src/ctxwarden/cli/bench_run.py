@@ -107,8 +107,16 @@ def machine() -> dict:
     model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "?")
     flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
     return {"cpu": model, "cpu_count": os.cpu_count(), "torch": torch.__version__,
-            "flags": [f for f in ("avx512f", "avx512_bf16", "amx_bf16", "amx_int8") if f in flags],
+            "flags": [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8") if f in flags],
+            "kernels": _kernels_level(),
             "platform": platform.platform(), "date": time.strftime("%Y-%m-%d %H:%M")}
+
+
+def _kernels_level() -> str:
+    from ctxwarden.ext import kernels
+
+    ext = kernels()
+    return "not built" if ext is None else ext.simd_level()
 
 
 def stats(samples: list[dict], metric: str) -> dict | None:
@@ -124,7 +132,7 @@ def render_table(results: dict) -> str:
     """Markdown: one table per wait policy, medians with spread, ratios of medians."""
     m = results["machine"]
     rows = [f"Machine: {m['cpu']}, {m['cpu_count']} vCPU ({', '.join(m['flags'])}), torch {m['torch']}, "
-            f"{m['date']}; ctxwarden weights={results['args']['weights']}; median [min-max] of "
+            f"{m['date']}; ctxwarden weights={results['args']['weights']}, kernels {m.get('kernels', '?')}; median [min-max] of "
             f"{results['args']['repeats']} fresh processes per cell, run round-robin", ""]
     for omp, by_w in results["runs"].items():
         rows += [f"### OMP_WAIT_POLICY={'PASSIVE' if omp == 'passive' else 'unset (threads spin)'}", "",

@@ -11,7 +11,10 @@ import sys
 
 from ctxwarden.ext import BUILD_DIR, MODULE_NAME, SOURCE
 
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
+import os
+
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast",
+         *os.environ.get("CTXWARDEN_EXT_CFLAGS", "").split()]  # -D overrides, to measure
 
 
 def build(verbose: bool = False) -> bool:

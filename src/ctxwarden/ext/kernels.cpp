@@ -125,11 +125,14 @@ inline __m256 exp8_nonpositive(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 inline V16 vexp_nonpositive(V16 x) { return {exp8_nonpositive(x.a), exp8_nonpositive(x.b)}; }
-// dot_block's tile on 16 ymm registers: 1 weight row x 4 input rows (x 2 halves x 2 ymm =
-// 16 accumulators). Measured on an AVX2 EPYC, q4 [1536, 576] from DRAM, us per call at
-// 1 / 4 / 16 rows: 1x4 152-155 / 180-182 / 643-871; 2x2 151 / 233 / 867; 4x1 179 / 366 / 1437
+// dot_block's tile on 16 ymm registers: 1 weight row x 4 input rows, one accumulator chain
+// per (weight row, input row) for both halves of a group (CW_ONE_CHAIN). Measured on an
+// AVX2 EPYC, q4 [1536, 576] from L3, one thread, us per call at 1 / 4 / 16 rows: 1x4
+// 152-155 / 180-182 / 643-871; 2x2 151 / 233 / 867; 4x1 179 / 366 / 1437. Two threads,
+// two chains vs one: 79 / 127 / 406 vs 82 / 101 / 365; 1x6 and 1x7 with one chain spill.
 #define CW_TILE_N_DEFAULT 1
 #define CW_TILE_M_DEFAULT 4
+#define CW_ONE_CHAIN 1
 
 #else
 #define CW_SIMD 0
@@ -181,8 +184,12 @@ inline void dot_block(const float* x, int64_t k, int64_t m0, int64_t n0, int64_t
       const float* xr = x + (m0 + r) * k + g * kGroup;
       const V16 xl = vload(xr), xh = vload(xr + 16);
       for (int b = 0; b < NB; ++b) {
+#if defined(CW_ONE_CHAIN)
+        acc_lo[b][r] = vfmadd(hi[b], xh, vfmadd(lo[b], xl, acc_lo[b][r]));
+#else
         acc_lo[b][r] = vfmadd(lo[b], xl, acc_lo[b][r]);
         acc_hi[b][r] = vfmadd(hi[b], xh, acc_hi[b][r]);
+#endif
       }
     }
   }

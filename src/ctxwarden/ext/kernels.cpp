@@ -59,7 +59,7 @@ inline V16 vmul(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
 inline V16 vadd(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline V16 vsub(V16 a, V16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
 inline float vsum(V16 a) { return _mm512_reduce_add_ps(a.v); }
-// 16 unsigned bytes / 16 signed bytes at p, widened to fp32
+// 16 unsigned bytes (in a register) / 16 signed bytes (at p), widened to fp32
 inline V16 vfrom_u8(__m128i b) { return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b))}; }
 inline V16 vfrom_i8(const int8_t* p) {
   return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};

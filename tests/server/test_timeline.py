@@ -102,8 +102,8 @@ def test_timeline_and_crash_bundle_of_an_injected_step_error(incident, tmp_path,
     # the spike: the first sample after the fault shows it, within one sample interval
     error_at = next(e["time"] for e in events if e["kind"] == "error")
     samples = [r for r in tl["rows"] if r["type"] == "sample"]
-    # the last sample before the fill began: an earlier maximum may hold garbage of earlier tests that the
-    # process has since freed (once read as -589 MiB in a shared pytest process)
+    # the last sample before the fill began: an earlier maximum may hold garbage of earlier
+    # tests that the process has since freed (once read as -589 MiB in a shared pytest process)
     baseline = [s["leak_basis_bytes"] for s in samples if s["time"] < kept[0]][-1]
     first_after = next(s for s in samples if s["time"] >= kept[2])
     # at least half of it: part of a new tensor can land in pages the allocator already holds

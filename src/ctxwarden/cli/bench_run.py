@@ -100,23 +100,17 @@ def write_results(results: dict, out: Path) -> str:
 
 
 def machine() -> dict:
-    """Where and when: CPU model and flags that matter, cores, torch, date."""
+    """Where and when: CPU model and flags that matter, cores, kernels, torch, date."""
     import torch
 
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "?")
-    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
-    return {"cpu": model, "cpu_count": os.cpu_count(), "torch": torch.__version__,
-            "flags": [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8") if f in flags],
-            "kernels": _kernels_level(),
-            "platform": platform.platform(), "date": time.strftime("%Y-%m-%d %H:%M")}
+    from ctxwarden.diagnostics.environment import read_cpu
+    from ctxwarden.ext import simd_level
 
-
-def _kernels_level() -> str:
-    from ctxwarden.ext import kernels
-
-    ext = kernels()
-    return "not built" if ext is None else ext.simd_level()
+    cpu = read_cpu()
+    return {"cpu": cpu["model"] or "?", "cpu_count": os.cpu_count(), "torch": torch.__version__,
+            "flags": [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8")
+                      if cpu["flags"].get(f)],
+            "kernels": simd_level(), "platform": platform.platform(), "date": time.strftime("%Y-%m-%d %H:%M")}
 
 
 def stats(samples: list[dict], metric: str) -> dict | None:

@@ -153,15 +153,14 @@ def _cpu_features(env: Environment) -> list[Finding]:
 
 
 def _kernels() -> list[Finding]:
-    from ctxwarden.ext import built_library, kernels
+    from ctxwarden.ext import built_library, simd_level
 
-    ext = kernels()
-    if ext is None:
+    level = simd_level()
+    if level == "not built":
         why = "disabled by CTXWARDEN_NO_EXT" if os.environ.get("CTXWARDEN_NO_EXT") else (
             "not built" if built_library() is None else "built from an older kernels.cpp, or failed to load")
         return [Finding("warning", "ctxwarden's C++ kernels are not in use: decode runs on plain torch ops",
                         why, "run `make install` (or `python -m ctxwarden.ext.build`) with a C++ compiler")]
-    level = ext.simd_level()
     if level == "none":
         return [Finding("warning", "the C++ kernels have no vector path on this CPU: quantized weights are "
                         "dequantized at load", f"built for: {level}", "expect fp32 weight size and speed")]

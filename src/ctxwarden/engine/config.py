@@ -23,7 +23,10 @@ SERVER_MAX_QUEUE_DELAY_S = 120.0  # a server refuses what would wait longer; off
 RUNNER_KV_DTYPES = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
 # How projections are stored (models/loader.py): auto keeps a GGUF's Q4_x / Q8_0 codes
 # (exact fp32-activation kernels), fp32 / bf16 dense, int8 / int4 quantize every projection.
-WEIGHTS_MODES = ("auto", "fp32", "bf16", "int8", "int4")
+# auto-int8act stores what auto stores and multiplies the quantized codes with activations
+# rounded to int8 per group of 32 (integer dot products, llama.cpp's method; at every step
+# size, so a row's result never depends on its batch).
+WEIGHTS_MODES = ("auto", "fp32", "bf16", "int8", "int4", "auto-int8act")
 
 
 @dataclass(frozen=True)

@@ -311,6 +311,286 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   return y;
 }
 
+// ---- int8 activations: integer dot products (weights="auto-int8act") --------------------
+// Each row of x is quantized per group of 32: d = max|x| / 127, q = round(x / d) in int8, and
+// the group's exact fp32 sum is kept for q4's zero point. A group's product is then one
+// integer dot product (vpmaddubsw: unsigned weight codes x signed activations, pairs summed
+// to int16; vpmaddwd: to int32), scaled once: y += d_w d_x sum(c q) (+ z_w sum(x) for q4).
+// That is llama.cpp's method for its quantized matmuls (its own code is not used here); it
+// costs the activations' rounding (|x - d q| <= d / 2) and buys about half the instructions
+// per weight. Written in AVX2 instructions, which every AVX-512 CPU has too.
+#if CW_SIMD
+namespace {
+
+struct Int8Rows {
+  std::vector<int8_t> q;   // [M, K]
+  std::vector<float> d;    // [M, G]
+  std::vector<float> sum;  // [M, G] d * sum(q): the rounded group's sum
+};
+
+inline float hmax8(__m256 v) {
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+
+inline float hsum8f(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+// 32 fp32 -> 32 int8 codes (in order), their scale and their sum.
+inline void quantize_group(const float* x, int8_t* q, float* d, float* sum) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4], m = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+  }
+  const float amax = hmax8(m), scale = amax / 127.f;
+  *d = scale;
+  const __m256 inv = _mm256_set1_ps(amax > 0 ? 127.f / amax : 0.f);
+  __m256i c[4];
+  for (int i = 0; i < 4; ++i) c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));  // nearest
+  // the codes' sum, not x's: then q4's zero-point term z d sum(q) makes the group's result
+  // exactly sum((s c + z) d q), the dequantized weight against the rounded x (half the
+  // error of using sum(x), whose rounding would then meet s c alone, which spans max - min)
+  const __m256i cs = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
+  *sum = scale * hsum8f(_mm256_cvtepi32_ps(cs));
+  // packs interleave 128-bit lanes: [0-3 8-11 | 4-7 12-15] etc.; the permute restores order
+  const __m256i w01 = _mm256_packs_epi32(c[0], c[1]), w23 = _mm256_packs_epi32(c[2], c[3]);
+  const __m256i b = _mm256_packs_epi16(w01, w23);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(b, order));
+}
+
+// paired: each pair of groups (2p, 2p + 1) of a row stored as their first halves, then their
+// second halves, 64 bytes: [2p: 0-15 | 2p+1: 0-15 | 2p: 16-31 | 2p+1: 16-31], the order in
+// which one 32-byte load of two q4 groups' codes yields its low and high nibbles (an odd
+// last group stays as it is).
+void quantize_rows(const at::Tensor& x, Int8Rows& out, bool paired) {
+  const int64_t m = x.size(0), k = x.size(1), groups = k / kGroup;
+  out.q.resize(m * k);
+  out.d.resize(m * groups);
+  out.sum.resize(m * groups);
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, m, std::max<int64_t>(1, (1 << 16) / k), [&](int64_t r0, int64_t r1) {
+    for (int64_t i = r0 * groups; i < r1 * groups; ++i) {
+      int8_t* q = out.q.data() + i * kGroup;
+      quantize_group(xp + i * kGroup, q, out.d.data() + i, out.sum.data() + i);
+      if (paired && i % groups % 2 == 1) {  // the second of a pair: swap the middle halves
+        const __m128i a1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q - 16));
+        const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q - 16), b0);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q), a1);
+      }
+    }
+  });
+}
+
+// Eight int32 vectors -> one vector of their eight horizontal sums (as hsum8 for floats).
+inline __m256i hsum8_epi32(const __m256i* a) {
+  const __m256i h01 = _mm256_hadd_epi32(a[0], a[1]), h23 = _mm256_hadd_epi32(a[2], a[3]);
+  const __m256i h45 = _mm256_hadd_epi32(a[4], a[5]), h67 = _mm256_hadd_epi32(a[6], a[7]);
+  const __m256i h0123 = _mm256_hadd_epi32(h01, h23), h4567 = _mm256_hadd_epi32(h45, h67);
+  return _mm256_add_epi32(_mm256_permute2x128_si256(h0123, h4567, 0x20),
+                          _mm256_permute2x128_si256(h0123, h4567, 0x31));
+}
+
+// Eight fp16 values -> fp32 (F16C).
+inline __m256 half8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Group g of a q4 weight row as 32 unsigned bytes in element order (low nibbles 0-15,
+// high nibbles 16-31).
+inline __m256i unpack_q4(const uint8_t* codes) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
+  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+
+// Group g of a paired row of codes (quantize_rows) in element order.
+inline __m256i paired_group(const int8_t* row, int64_t g, int64_t groups) {
+  if (g % 2 == 0 && g + 1 == groups)  // an odd last group: not paired
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * kGroup));
+  const int8_t* pair = row + (g / 2) * 2 * kGroup + (g % 2) * 16;
+  return _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair + kGroup)),
+                          _mm_loadu_si128(reinterpret_cast<const __m128i*>(pair)));
+}
+
+// sum over the group of w * x as 8 int32 lanes (unsigned w, signed x)
+inline __m256i dot_u8_i8(__m256i w, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+}
+
+// y[m0..m0+R, n0..n0+NB] with int8 activations; Q4: unsigned codes plus zero points,
+// else signed q8 codes (vpmaddubsw needs one unsigned operand: |w| against x * sign(w)).
+template <bool Q4, int NB, int R>
+inline void dot_block_i8(const Int8Rows& xa, int64_t k, int64_t m0, int64_t n0, int64_t groups,
+                         const uint8_t* codes, const at::Half* ws, const at::Half* wz,
+                         float* y, int64_t ldy) {
+  const int64_t row_bytes = Q4 ? k / 2 : k;
+  __m256 acc[NB][R];
+  float zacc[NB][R];
+  for (int b = 0; b < NB; ++b)
+    for (int r = 0; r < R; ++r) acc[b][r] = _mm256_setzero_ps(), zacc[b][r] = 0.f;
+  // Eight groups at a time: their int32 dot products reduced into one vector of eight
+  // group sums, converted and scaled once, with the eight groups' scales (and zero points)
+  // as vectors; weights unpacked once per block for all R rows.
+  int64_t g0 = 0;
+  if constexpr (Q4) {
+    // x is paired (quantize_rows): one 32-byte load of two groups' codes gives their low
+    // nibbles (elements 0-15 of both) and high nibbles (16-31), each against one 32-byte
+    // load of x; both products in int16 (|sum| <= 4 * 15 * 127), one vpmaddwd. Four pairs
+    // reduce in three hadds to lanes ordered [g0 g2 g4 g6 g1 g3 g5 g7]; scales follow.
+    const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (; g0 + 8 <= groups; g0 += 8) {
+      __m256i wlo[NB][4], whi[NB][4];
+      __m256 sw[NB], zw8[NB];
+      for (int b = 0; b < NB; ++b) {
+        const uint8_t* c = codes + (n0 + b) * row_bytes + g0 * 16;
+        for (int p = 0; p < 4; ++p) {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + p * 32));
+          wlo[b][p] = _mm256_and_si256(raw, nib);
+          whi[b][p] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
+        }
+        sw[b] = _mm256_permutevar8x32_ps(half8(ws + (n0 + b) * groups + g0), order);
+        zw8[b] = _mm256_permutevar8x32_ps(half8(wz + (n0 + b) * groups + g0), order);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t xi = (m0 + r) * groups + g0;
+        const int8_t* xq = xa.q.data() + xi * kGroup;
+        const __m256 dx = _mm256_permutevar8x32_ps(_mm256_loadu_ps(xa.d.data() + xi), order);
+        const __m256 xs = _mm256_permutevar8x32_ps(_mm256_loadu_ps(xa.sum.data() + xi), order);
+        for (int b = 0; b < NB; ++b) {
+          __m256i v[4];
+          for (int p = 0; p < 4; ++p) {
+            const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + p * 64));
+            const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + p * 64 + 32));
+            v[p] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(wlo[b][p], xlo),
+                                                      _mm256_maddubs_epi16(whi[b][p], xhi)), ones);
+          }
+          const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+          acc[b][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_mul_ps(sw[b], dx), acc[b][r]);
+          acc[b][r] = _mm256_fmadd_ps(zw8[b], xs, acc[b][r]);
+        }
+      }
+    }
+  }
+  for (; !Q4 && g0 + 8 <= groups; g0 += 8) {
+    alignas(32) __m256i wb[NB][8];
+    __m256 sw[NB], zw8[NB];
+    for (int b = 0; b < NB; ++b) {
+      const uint8_t* c = codes + (n0 + b) * row_bytes + g0 * (Q4 ? 16 : 32);
+      for (int gi = 0; gi < 8; ++gi)
+        wb[b][gi] = Q4 ? unpack_q4(c + gi * 16) : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + gi * 32));
+      sw[b] = half8(ws + (n0 + b) * groups + g0);
+      if (Q4) zw8[b] = half8(wz + (n0 + b) * groups + g0);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t xi = (m0 + r) * groups + g0;
+      const int8_t* xq = xa.q.data() + xi * kGroup;
+      const __m256 dx = _mm256_loadu_ps(xa.d.data() + xi);
+      const __m256 xs = Q4 ? _mm256_loadu_ps(xa.sum.data() + xi) : _mm256_setzero_ps();
+      for (int b = 0; b < NB; ++b) {
+        __m256i p[8];
+        for (int gi = 0; gi < 8; ++gi) {
+          const __m256i x8 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + gi * kGroup));
+          p[gi] = Q4 ? dot_u8_i8(wb[b][gi], x8)
+                     : dot_u8_i8(_mm256_sign_epi8(wb[b][gi], wb[b][gi]), _mm256_sign_epi8(x8, wb[b][gi]));
+        }
+        acc[b][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum8_epi32(p)), _mm256_mul_ps(sw[b], dx), acc[b][r]);
+        if (Q4) acc[b][r] = _mm256_fmadd_ps(zw8[b], xs, acc[b][r]);
+      }
+    }
+  }
+  for (int64_t g = g0; g < groups; ++g) {
+    __m256i w[NB];
+    float dw[NB], zw[NB];
+    for (int b = 0; b < NB; ++b) {
+      const uint8_t* c = codes + (n0 + b) * row_bytes + g * (Q4 ? 16 : 32);
+      w[b] = Q4 ? unpack_q4(c) : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
+      dw[b] = half_to_float(ws[(n0 + b) * groups + g]);
+      if (Q4) zw[b] = half_to_float(wz[(n0 + b) * groups + g]);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t xi = (m0 + r) * groups + g;
+      const __m256i xq = Q4 ? paired_group(xa.q.data() + (m0 + r) * k, g, groups)
+                            : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa.q.data() + xi * kGroup));
+      const float dx = xa.d[xi];
+      for (int b = 0; b < NB; ++b) {
+        const __m256i p = Q4 ? dot_u8_i8(w[b], xq)
+                             : dot_u8_i8(_mm256_sign_epi8(w[b], w[b]), _mm256_sign_epi8(xq, w[b]));
+        acc[b][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw[b] * dx), acc[b][r]);
+        if (Q4) zacc[b][r] += zw[b] * xa.sum[xi];
+      }
+    }
+  }
+  for (int b = 0; b < NB; ++b)
+    for (int r = 0; r < R; ++r) y[(m0 + r) * ldy + n0 + b] = hsum8f(acc[b][r]) + zacc[b][r];
+}
+
+// Tile of the int8 kernels: 4 weight rows x 2 input rows. Measured on the AVX2 EPYC (q4,
+// us per call at 1 / 16 / 512 rows, [1536, 576] and [576, 1536], two threads, a noisy
+// host: best of two runs): 4x2 37 / 289 / 7375 and 26 / 188 / 5466; 2x4 38 / 322 / 9816
+// and 34 / 226 / 6152; 2x3 38 / 237 / 7026 and 28 / 164 / 6027; 1x4 42 / 249 / 7988.
+#if !defined(CW_I8_TILE_N)  // -DCW_I8_TILE_N=.. -DCW_I8_TILE_M=.. to measure others
+#define CW_I8_TILE_N 4
+#define CW_I8_TILE_M 2
+#endif
+constexpr int kI8TileN = CW_I8_TILE_N, kI8TileM = CW_I8_TILE_M;
+constexpr int64_t kI8RowBlock = 64;  // x rows per pass over a thread's weights (L2-sized)
+
+template <bool Q4>
+void linear_i8_range(const Int8Rows& xa, int64_t m, int64_t k, int64_t n_begin, int64_t n_end,
+                     const uint8_t* codes, const at::Half* ws, const at::Half* wz, float* y, int64_t ldy) {
+  const int64_t groups = k / kGroup;
+  for (int64_t mb = 0; mb < m; mb += kI8RowBlock) {
+    const int64_t me = std::min(m, mb + kI8RowBlock);
+    int64_t n0 = n_begin;
+    for (; n0 + kI8TileN <= n_end; n0 += kI8TileN) {
+      int64_t m0 = mb;
+      for (; m0 + kI8TileM <= me; m0 += kI8TileM)
+        dot_block_i8<Q4, kI8TileN, kI8TileM>(xa, k, m0, n0, groups, codes, ws, wz, y, ldy);
+      for (; m0 < me; ++m0) dot_block_i8<Q4, kI8TileN, 1>(xa, k, m0, n0, groups, codes, ws, wz, y, ldy);
+    }
+    for (; n0 < n_end; ++n0)
+      for (int64_t m0 = mb; m0 < me; ++m0) dot_block_i8<Q4, 1, 1>(xa, k, m0, n0, groups, codes, ws, wz, y, ldy);
+  }
+}
+
+}  // namespace
+#endif  // CW_SIMD
+
+// y [M, N] = x [M, K] @ dequant(q4 or q8 weight)^T with x quantized to int8 per group of 32.
+at::Tensor quantized_linear_int8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                                 const c10::optional<at::Tensor>& zero) {
+  const bool q4 = zero.has_value();
+  const int64_t n = codes.size(0), k = q4 ? codes.size(1) * 2 : codes.size(1), m = x.size(0);
+  check_linear_args(x, scale, k);
+  TORCH_CHECK(codes.is_contiguous() && codes.dtype() == (q4 ? at::kByte : at::kChar),
+              q4 ? "q4 codes must be uint8" : "q8 codes must be int8");
+#if CW_SIMD
+  at::Tensor y = at::empty({m, n}, x.options());
+  Int8Rows xa;
+  quantize_rows(x, xa, q4);
+  const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
+  const at::Half* sp = scale.data_ptr<at::Half>();
+  const at::Half* zp = q4 ? zero->data_ptr<at::Half>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, n, feature_grain(m, k), [&](int64_t begin, int64_t end) {
+    if (q4) linear_i8_range<true>(xa, m, k, begin, end, cp, sp, zp, yp, n);
+    else linear_i8_range<false>(xa, m, k, begin, end, cp, sp, zp, yp, n);
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "int8 activations need the AVX2 or AVX-512 build of the kernels");
+#endif
+}
+
 namespace {
 
 template <typename T>
@@ -410,49 +690,127 @@ inline float exp_sum(float* scores, int64_t n, float top) {
   return total;
 }
 
+#if CW_SIMD
+// The two 8-lane halves of a V16 added: one ymm (AVX2 instructions, which every AVX-512
+// CPU has too).
+#if CW_SIMD == 2
+inline __m256 vfold8(V16 x) {
+  return _mm256_add_ps(_mm512_castps512_ps256(x.v),
+                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x.v), 1)));
+}
+#else
+inline __m256 vfold8(V16 x) { return _mm256_add_ps(x.a, x.b); }
+#endif
+
+// Eight vectors -> one vector of their eight horizontal sums (6 hadds, 2 permutes, 1 add,
+// instead of eight separate reductions of ~6 instructions each).
+inline __m256 hsum8(const __m256* a) {
+  const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
+  // lower 128 bits: sums of lanes 0-3 of a[0..3]; upper: of lanes 4-7
+  const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20),
+                       _mm256_permute2f128_ps(h0123, h4567, 0x31));
+}
+
+// out[j] = scale * q . k_j for keys j < n (key j at flat slot slots[j]); eight keys per
+// reduction. D > 0 fixes the head size at compile time (q then stays in registers).
+template <int D, typename T>
+void score_keys(const float* q, const T* kp, const int64_t* slots, int64_t row, int64_t d,
+                int64_t n, float scale, float* out) {
+  const int64_t dd = D > 0 ? D : d;
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    __m256 part[8];
+    for (int u = 0; u < 8; ++u) {
+      const T* kr = kp + slots[j + u] * row;
+      V16 acc = vmul(vload(q), vload(kr));
+      for (int64_t i = 16; i < dd; i += 16) acc = vfmadd(vload(q + i), vload(kr + i), acc);
+      part[u] = vfold8(acc);
+    }
+    _mm256_storeu_ps(out + j, _mm256_mul_ps(hsum8(part), _mm256_set1_ps(scale)));
+  }
+  for (; j < n; ++j) out[j] = dot_head(q, kp + slots[j] * row, dd) * scale;
+}
+
+template <typename T>
+void score_keys_any(const float* q, const T* kp, const int64_t* slots, int64_t row, int64_t d,
+                    int64_t n, float scale, float* out) {
+  if (d == 64) return score_keys<64>(q, kp, slots, row, d, n, scale, out);
+  if (d == 128) return score_keys<128>(q, kp, slots, row, d, n, scale, out);
+  score_keys<0>(q, kp, slots, row, d, n, scale, out);
+}
+
+// out_g[c*16 .. c*16+16) = inv_g * sum_j p_g[j] v_j[c*16 ..) for GN query heads: one
+// 16-lane chunk of the head at a time, so the GN accumulators stay in registers (AVX2's 16
+// ymm cannot hold 3 heads x 4 chunks), each pass reading one cache line of each value row.
+template <int GN, typename T>
+inline void weigh_values(const float* const* p, const float* inv, const T* vp,
+                         const int64_t* slots, int64_t row, int64_t n, int64_t c, float* const* out) {
+  V16 acc[GN];
+  for (int g = 0; g < GN; ++g) acc[g] = vzero();
+  for (int64_t j = 0; j < n; ++j) {
+    const V16 v = vload(vp + slots[j] * row + c * 16);
+    for (int g = 0; g < GN; ++g) acc[g] = vfmadd(vset1(p[g][j]), v, acc[g]);
+  }
+  for (int g = 0; g < GN; ++g) vstore(out[g] + c * 16, vmul(acc[g], vset1(inv[g])));
+}
+#endif  // CW_SIMD
+
+constexpr int64_t kMaxGroup = 64;  // query heads per KV head (checked at the call)
+
 // One (sequence, KV head): softmax over its keys for the `group` query heads sharing it.
 // Keys [0, num_sink) are scored against q_sink (StreamingLLM's re-positioned query).
-// Each key row and value row is read once for the whole group; with head_dim 64 and up
-// to 4 query heads the group's outputs live in registers (kMaxAcc vectors).
-constexpr int kMaxAcc = 16;
-
 template <typename T>
 void decode_one_head(const DecodeArgs& a, const float* q, const float* q_sink, const T* kp,
                      const T* vp, const int64_t* slots, int64_t num_keys, int64_t num_sink,
                      int64_t h, float* out, std::vector<float>& scores) {
   const int64_t d = a.head_dim, row = a.num_kv_heads * d, g_count = a.group;
   scores.resize(g_count * num_keys);
-  for (int64_t j = 0; j < num_keys; ++j) {
-    const T* krow = kp + slots[j] * row + h * d;
-    const float* qq = (j < num_sink ? q_sink : q) + h * g_count * d;
-    for (int64_t g = 0; g < g_count; ++g) {
-      float sc = dot_head(qq + g * d, krow, d) * a.scale;
-      if (a.softcap > 0) sc = a.softcap * std::tanh(sc / a.softcap);
-      scores[g * num_keys + j] = sc;
+  const T *kh = kp + h * d, *vh = vp + h * d;
+#if CW_SIMD
+  const bool vec = d % 16 == 0;
+#else
+  const bool vec = false;
+#endif
+  for (int64_t g = 0; g < g_count; ++g) {
+    const int64_t qo = (h * g_count + g) * d;
+    float* sg = scores.data() + g * num_keys;
+#if CW_SIMD
+    if (vec) {
+      score_keys_any(q_sink + qo, kh, slots, row, d, num_sink, a.scale, sg);
+      score_keys_any(q + qo, kh, slots + num_sink, row, d, num_keys - num_sink, a.scale, sg + num_sink);
     }
+#endif
+    if (!vec)
+      for (int64_t j = 0; j < num_keys; ++j)
+        sg[j] = dot_head((j < num_sink ? q_sink : q) + qo, kh + slots[j] * row, d) * a.scale;
+    if (a.softcap > 0)
+      for (int64_t j = 0; j < num_keys; ++j) sg[j] = a.softcap * std::tanh(sg[j] / a.softcap);
   }
-  std::vector<float> inv_total(g_count);
+  float inv_total[kMaxGroup];
   for (int64_t g = 0; g < g_count; ++g) {
     float* sg = scores.data() + g * num_keys;
     const float top = *std::max_element(sg, sg + num_keys);
     inv_total[g] = 1.f / exp_sum(sg, num_keys, top);
   }
 #if CW_SIMD
-  const int64_t vecs = d / 16;
-  if (d % 16 == 0 && g_count * vecs <= kMaxAcc) {
-    V16 acc[kMaxAcc];
-    for (int i = 0; i < g_count * vecs; ++i) acc[i] = vzero();
-    for (int64_t j = 0; j < num_keys; ++j) {
-      const T* vrow = vp + slots[j] * row + h * d;
-      for (int64_t c = 0; c < vecs; ++c) {
-        const V16 v = vload(vrow + c * 16);
-        for (int64_t g = 0; g < g_count; ++g)
-          acc[g * vecs + c] = vfmadd(vset1(scores[g * num_keys + j]), v, acc[g * vecs + c]);
+  if (vec) {
+    for (int64_t g0 = 0; g0 < g_count; g0 += 4) {
+      const int gn = static_cast<int>(std::min<int64_t>(4, g_count - g0));
+      const float* p[4];
+      float* o[4];
+      for (int g = 0; g < gn; ++g) {
+        p[g] = scores.data() + (g0 + g) * num_keys;
+        o[g] = out + (h * g_count + g0 + g) * d;
+      }
+      for (int64_t c = 0; c < d / 16; ++c) {
+        if (gn == 4) weigh_values<4>(p, inv_total + g0, vh, slots, row, num_keys, c, o);
+        else if (gn == 3) weigh_values<3>(p, inv_total + g0, vh, slots, row, num_keys, c, o);
+        else if (gn == 2) weigh_values<2>(p, inv_total + g0, vh, slots, row, num_keys, c, o);
+        else weigh_values<1>(p, inv_total + g0, vh, slots, row, num_keys, c, o);
       }
     }
-    for (int64_t g = 0; g < g_count; ++g)
-      for (int64_t c = 0; c < vecs; ++c)
-        vstore(out + (h * g_count + g) * d + c * 16, vmul(acc[g * vecs + c], vset1(inv_total[g])));
     return;
   }
 #endif
@@ -460,7 +818,7 @@ void decode_one_head(const DecodeArgs& a, const float* q, const float* q_sink, c
     float* o = out + (h * g_count + g) * d;
     std::fill(o, o + d, 0.f);
     for (int64_t j = 0; j < num_keys; ++j)
-      axpy_head(scores[g * num_keys + j] * inv_total[g], vp + slots[j] * row + h * d, o, d);
+      axpy_head(scores[g * num_keys + j] * inv_total[g], vh + slots[j] * row, o, d);
   }
 }
 
@@ -477,7 +835,9 @@ void decode_attention_impl(const DecodeArgs& a, const at::Tensor& q, const at::T
   const int64_t* nsp = num_sink.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   // One task per (sequence, KV head); small steps stay on one thread (no wake-up).
-  const int64_t work = b * a.num_kv_heads, keys = num_keys.sum().item<int64_t>();
+  int64_t keys = 0;
+  for (int64_t s = 0; s < b; ++s) keys += np[s];
+  const int64_t work = b * a.num_kv_heads;
   const int64_t grain = keys * hq * d < (1 << 18) ? work : 1;
   at::parallel_for(0, work, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
@@ -504,6 +864,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const c10::optional<at::T
               "slots and counts must be int64");
   const int64_t hkv = k_pool.size(2);
   TORCH_CHECK(q.size(1) % hkv == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(q.size(1) / hkv <= kMaxGroup, "at most ", kMaxGroup, " query heads per KV head");
   DecodeArgs a{hkv, q.size(1) / hkv, q.size(2), static_cast<float>(scale), static_cast<float>(softcap)};
   at::Tensor qs = q_sink.has_value() ? q_sink->contiguous() : at::Tensor();
   at::Tensor out = at::empty_like(q);
@@ -643,6 +1004,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("simd_level", &simd_level, "vector instruction set of this build");
   m.def("q4_linear", &q4_linear, "x @ dequant(q4)^T with fp32 activations");
   m.def("q8_linear", &q8_linear, "x @ dequant(q8)^T with fp32 activations");
+  m.def("quantized_linear_int8", &quantized_linear_int8, "x @ dequant(q4 | q8)^T, x quantized to int8 per group",
+        py::arg("x"), py::arg("codes"), py::arg("scale"), py::arg("zero") = py::none());
   m.def("q4_dequantize", &q4_dequantize, "q4 weight -> dense fp32 or bf16 [N, K]");
   m.def("rms_norm", &rms_norm, "RMSNorm of fp32 rows");
   m.def("add_rms_norm", &add_rms_norm, "x += delta; RMSNorm(x)");

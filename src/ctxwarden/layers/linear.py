@@ -13,7 +13,10 @@ Three layouts (`LinearWeight.kind`):
   fp32 activations and reproduce the dequantized fp32 weight exactly. Steps of many rows
   (prefill) dequantize the weight for the call and run one dense GEMM instead: the
   dequantization is then a few percent of the matmul, and dense GEMMs are far faster per
-  row than a dequantizing kernel.
+  row than a dequantizing kernel. A weight loaded with int8 activations
+  (weights="auto-int8act") takes the integer kernel at every row count instead: each
+  row's result is then the same in any batch and at any step size, so chunking,
+  batching and recompute after preemption reproduce one another exactly.
 
 The reordered tensor replaces the plain one (no second copy is kept).
 """
@@ -121,11 +124,15 @@ def _bucketed(x: torch.Tensor, dtype: torch.dtype, out_features: int, matmul) ->
 
 def _quantized_linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
     rows = x.reshape(-1, w.in_features)
+    q = w.quant
+    if q.int8_activations:  # every step size: a row's result never depends on its batch
+        out = kernels().quantized_linear_int8(rows.float().contiguous(), q.codes, q.scale, q.zero)
+        return out.to(x.dtype).reshape(*x.shape[:-1], w.out_features)
     if rows.shape[0] >= DENSE_MIN_ROWS:
         dense = dense_weight(w)
         return _bucketed(x, dense.dtype, w.out_features, lambda r: F.linear(r, dense))
     rows = rows.float().contiguous()
-    ext, q = kernels(), w.quant
+    ext = kernels()
     out = (ext.q4_linear(rows, q.codes, q.scale, q.zero) if q.kind == Q4
            else ext.q8_linear(rows, q.codes, q.scale))
     return out.to(x.dtype).reshape(*x.shape[:-1], w.out_features)

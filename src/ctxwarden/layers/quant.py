@@ -32,6 +32,8 @@ class QuantizedWeight:
     codes: torch.Tensor
     scale: torch.Tensor  # fp16 [N, K / 32]
     zero: torch.Tensor | None  # fp16 [N, K / 32] (q4 only)
+    # multiplied with activations rounded to int8 per group (weights="auto-int8act")
+    int8_activations: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -89,13 +91,14 @@ def stack_rows(parts: list) -> torch.Tensor | QuantizedWeight:
                           for p in parts])
     zero = None if parts[0].zero is None else torch.cat([p.zero for p in parts])
     return QuantizedWeight(parts[0].kind, torch.cat([p.codes for p in parts]),
-                           torch.cat([p.scale for p in parts]), zero)
+                           torch.cat([p.scale for p in parts]), zero,
+                           all(p.int8_activations for p in parts))
 
 
 def permute_rows(q: QuantizedWeight, order: torch.Tensor) -> QuantizedWeight:
     """Rows reordered (output features); groups run along the input dim, so they move whole."""
     zero = None if q.zero is None else q.zero[order]
-    return QuantizedWeight(q.kind, q.codes[order], q.scale[order], zero)
+    return QuantizedWeight(q.kind, q.codes[order], q.scale[order], zero, q.int8_activations)
 
 
 def rows_of(q: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ type before any tensor memory is committed. Tensors are then read one at a time:
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -102,13 +102,16 @@ class WeightSource:
         """A projection weight as `weights` mode stores it (see WEIGHTS_MODES).
 
         auto keeps what the file stores quantized (GGUF Q4_0 / Q4_1 / Q8_0) quantized and
-        loads the rest in `dtype`; int4 / int8 quantize every projection (a GGUF tensor
+        loads the rest in `dtype`; auto-int8act stores the same, its quantized weights
+        marked for int8 activations (layers/linear.py); int4 / int8 quantize every projection (a GGUF tensor
         already of that kind is kept as it is); fp32 / bf16 are dense.
         """
         if weights in ("fp32", "bf16"):
             return self.get(name, torch.float32 if weights == "fp32" else torch.bfloat16)
         stored = self.get_quantized(name)
-        if weights == "auto":
+        if weights == "auto-int8act" and stored is not None:
+            return replace(stored, int8_activations=True)
+        if weights in ("auto", "auto-int8act"):
             return stored if stored is not None else self.get(name, dtype)
         kind = {"int4": Q4, "int8": Q8}[weights]
         if stored is not None and stored.kind == kind:

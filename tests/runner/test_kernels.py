@@ -36,6 +36,20 @@ def test_quantized_linear_equals_the_dequantized_weight(kind, rows):
     assert (got - ref).abs().max().item() < tol * ref.abs().max().item()
 
 
+@pytest.mark.parametrize("k", [43, 96, 576])  # 43: a tail past every vector width
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 13, 48])
+def test_dense_fp32_kernel_matches_f_linear(k, rows):
+    torch.manual_seed(k + rows)
+    w, x = torch.randn(97, k), torch.randn(rows, k)  # 97: a row count past every tile
+    lw = pack_linear(w)
+    assert lw.dense_kernel == (ext.simd_level() != "none")  # plain fp32 takes the kernel
+    got = linear(x, lw)
+    ref = F.linear(x.double(), w.double()).float()
+    assert got.shape == (rows, 97)
+    assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(ext.dense_linear(x, w), ref, atol=1e-5, rtol=1e-5)
+
+
 def _rounded_per_group(x: torch.Tensor) -> torch.Tensor:
     """x with each group of 32 rounded as the int8-activation kernels round it."""
     g = x.reshape(x.shape[0], -1, 32)

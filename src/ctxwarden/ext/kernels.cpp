@@ -996,6 +996,140 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
   return q;
 }
 
+// ---- dense fp32 weights at a few rows (decode) ------------------------------------------
+// A decode step's dense projection reads every weight once and does 2 flops per 4 bytes:
+// the rate is the memory's. A block of kDenseBlock weight rows streams in once and serves
+// every row of x while it sits in L1 (kDenseBlock x K x 4 bytes: 9 KB at K = 576).
+
+namespace {
+
+// y[r, n0 + b] for NB weight rows x R rows of x: each weight load feeds R FMAs and each
+// x load NB, so a 2 x 2 tile issues one load per FMA (the load ports' rate, on AVX2 as
+// on AVX-512: 8 ymm / 4 zmm accumulators).
+template <int NB, int R>
+inline void dense_tile(const float* w, int64_t k, const float* x, int64_t n0, int64_t r0,
+                       float* y, int64_t ldy) {
+#if CW_SIMD
+  V16 acc[NB][R];
+  for (int b = 0; b < NB; ++b)
+    for (int r = 0; r < R; ++r) acc[b][r] = vzero();
+  int64_t i = 0;
+  for (; i + 16 <= k; i += 16) {
+    V16 wv[NB];
+    for (int b = 0; b < NB; ++b) wv[b] = vload(w + (n0 + b) * k + i);
+    for (int r = 0; r < R; ++r) {
+      const V16 xv = vload(x + (r0 + r) * k + i);
+      for (int b = 0; b < NB; ++b) acc[b][r] = vfmadd(wv[b], xv, acc[b][r]);
+    }
+  }
+  for (int b = 0; b < NB; ++b)
+    for (int r = 0; r < R; ++r) {
+      const float* wr = w + (n0 + b) * k;
+      const float* xr = x + (r0 + r) * k;
+      float s = vsum(acc[b][r]);
+      for (int64_t j = i; j < k; ++j) s += wr[j] * xr[j];
+      y[(r0 + r) * ldy + n0 + b] = s;
+    }
+#else
+  for (int b = 0; b < NB; ++b)
+    for (int r = 0; r < R; ++r) {
+      float s = 0.f;
+      for (int64_t j = 0; j < k; ++j) s += w[(n0 + b) * k + j] * x[(r0 + r) * k + j];
+      y[(r0 + r) * ldy + n0 + b] = s;
+    }
+#endif
+}
+
+#if CW_SIMD == 1
+// AVX2 has 16 ymm registers: a V16 takes two, so a V16 tile stops at 2 x 2. On single ymm
+// lanes a 3 x 4 tile fits (12 accumulators, 3 weights, 1 x): 7 loads per 12 FMAs.
+inline float hsum8(__m256 s) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+template <int NB, int R>
+inline void dense_tile8(const float* w, int64_t k, const float* x, int64_t n0, int64_t r0,
+                        float* y, int64_t ldy) {
+  __m256 acc[NB][R];
+  for (int b = 0; b < NB; ++b)
+    for (int r = 0; r < R; ++r) acc[b][r] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= k; i += 8) {
+    __m256 wv[NB];
+    for (int b = 0; b < NB; ++b) wv[b] = _mm256_loadu_ps(w + (n0 + b) * k + i);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + (r0 + r) * k + i);
+      for (int b = 0; b < NB; ++b) acc[b][r] = _mm256_fmadd_ps(wv[b], xv, acc[b][r]);
+    }
+  }
+  for (int b = 0; b < NB; ++b)
+    for (int r = 0; r < R; ++r) {
+      const float* wr = w + (n0 + b) * k;
+      const float* xr = x + (r0 + r) * k;
+      float s = hsum8(acc[b][r]);
+      for (int64_t j = i; j < k; ++j) s += wr[j] * xr[j];
+      y[(r0 + r) * ldy + n0 + b] = s;
+    }
+}
+#define CW_DENSE_TILE dense_tile8
+#if !defined(CW_DENSE_N)
+#define CW_DENSE_N 3
+#define CW_DENSE_M 4
+#endif
+#else
+#define CW_DENSE_TILE dense_tile
+#endif
+
+#if !defined(CW_DENSE_N1)
+#define CW_DENSE_N1 4  // weight rows per tile at one row of x (streams in flight)
+#endif
+#if !defined(CW_DENSE_N)
+#define CW_DENSE_N 2
+#define CW_DENSE_M 2
+#endif
+
+// Weight rows [begin, end) against every row of x: blocks of CW_DENSE_N rows, each
+// serving all of x while it sits in L1.
+inline void dense_range(const float* w, int64_t k, const float* x, int64_t m, int64_t begin,
+                        int64_t end, float* y, int64_t ldy) {
+  constexpr int N1 = CW_DENSE_N1, NB = CW_DENSE_N, R = CW_DENSE_M;
+  int64_t n0 = begin;
+  if (m == 1) {
+    for (; n0 + N1 <= end; n0 += N1) dense_tile<N1, 1>(w, k, x, n0, 0, y, ldy);
+  } else {
+    for (; n0 + NB <= end; n0 += NB) {
+      int64_t r0 = 0;
+      for (; r0 + R <= m; r0 += R) CW_DENSE_TILE<NB, R>(w, k, x, n0, r0, y, ldy);
+      for (; r0 < m; ++r0) CW_DENSE_TILE<NB, 1>(w, k, x, n0, r0, y, ldy);
+    }
+  }
+  for (; n0 < end; ++n0)
+    for (int64_t r0 = 0; r0 < m; ++r0) dense_tile<1, 1>(w, k, x, n0, r0, y, ldy);
+}
+
+}  // namespace
+
+// y [M, N] = x [M, K] @ w^T for a plain fp32 weight w [N, K] (row-major, as stored).
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
+              "x must be a contiguous fp32 [M, K] tensor");
+  TORCH_CHECK(w.dtype() == at::kFloat && w.dim() == 2 && w.is_contiguous(),
+              "w must be a contiguous fp32 [N, K] tensor");
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  TORCH_CHECK(w.size(1) == k, "x has ", k, " features, the weight ", w.size(1));
+  at::Tensor y = at::empty({m, n}, x.options());
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  // at least 2^15 multiply-adds (128 KB of weights at one row) per thread: less is not
+  // worth a wake-up
+  const int64_t grain = std::max<int64_t>(8, (int64_t{1} << 15) / std::max<int64_t>(1, k * m));
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    dense_range(wp, k, xp, m, begin, end, yp, n);
+  });
+  return y;
+}
+
 // Which vector set the kernels were compiled for: "avx512", "avx2" or "none" (scalar loops:
 // the quantized linears 7.5-13x slower than a dense fp32 matvec at one row, 40x at 16 rows).
 std::string simd_level() { return CW_SIMD == 2 ? "avx512" : CW_SIMD == 1 ? "avx2" : "none"; }
@@ -1006,6 +1140,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &q8_linear, "x @ dequant(q8)^T with fp32 activations");
   m.def("quantized_linear_int8", &quantized_linear_int8, "x @ dequant(q4 | q8)^T, x quantized to int8 per group",
         py::arg("x"), py::arg("codes"), py::arg("scale"), py::arg("zero") = py::none());
+  m.def("dense_linear", &dense_linear, "x @ w^T for a plain fp32 weight at a few rows");
   m.def("q4_dequantize", &q4_dequantize, "q4 weight -> dense fp32 or bf16 [N, K]");
   m.def("rms_norm", &rms_norm, "RMSNorm of fp32 rows");
   m.def("add_rms_norm", &add_rms_norm, "x += delta; RMSNorm(x)");

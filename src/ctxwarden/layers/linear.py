@@ -8,7 +8,13 @@ Three layouts (`LinearWeight.kind`):
   1 row 1.2-1.8x, 16 rows 1.7-2.1x, 2048 rows 1.35-1.5x. On a CPU with AMX, bf16 weights
   run on its tile units (far faster than fp32 at prefill sizes) with fp32 inputs cast to
   bf16 at the call and fp32 outputs.
-- "plain": the weight as it is, through `F.linear` (no oneDNN, or another dtype).
+- "plain": the weight as it is, through `F.linear` (no oneDNN, or another dtype). An fp32
+  weight stays plain wherever the ext/ kernels have a vector path: steps of up to
+  DENSE_MIN_ROWS rows (decode) then run ext's `dense_linear`, which streams each weight row
+  once and beats the reordered weight at 1 row (measured on an AVX2 EPYC, SmolLM2's 120
+  projections, passive threads: 17.4 vs 20.8 ms; 2-16 rows level, 32-48 rows 3-6%
+  slower), and longer steps `F.linear` (MKL), which on that machine is 0.92x the
+  reordered weight's time at 512 and 2,048 rows and 1.1-1.17x at 64-128.
 - "q4" / "q8": group-quantized codes (layers/quant.py) for the ext/ kernels, which take
   fp32 activations and reproduce the dequantized fp32 weight exactly. Steps of many rows
   (prefill) dequantize the weight for the call and run one dense GEMM instead: the
@@ -32,7 +38,8 @@ from ctxwarden.ext import has_vector_kernels, kernels
 from ctxwarden.layers.quant import Q4, QuantizedWeight, dequantize
 
 # Rows at which a quantized weight is dequantized for one dense GEMM instead of being
-# multiplied by the dequantizing kernel (measured in benchmarks/linear_kernels.py).
+# multiplied by the dequantizing kernel; a
+# plain fp32 weight takes ext's dense_linear up to this many rows, F.linear above.
 DENSE_MIN_ROWS = 48
 
 
@@ -46,6 +53,7 @@ class LinearWeight:
     in_features: int
     quant: QuantizedWeight | None = None
     dense_dtype: torch.dtype = torch.float32  # dtype a quantized weight is expanded to
+    dense_kernel: bool = False  # plain fp32: ext's dense_linear at few rows
 
     @property
     def kind(self) -> str:
@@ -61,7 +69,10 @@ class LinearWeight:
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether `pack_linear` would reorder this weight (fp32 / bf16 on a CPU with oneDNN)."""
+    """Whether `pack_linear` would reorder this weight (bf16 on a CPU with oneDNN; fp32 too
+    when the ext/ kernels have no vector path, see the module docstring)."""
+    if weight.dtype == torch.float32 and has_vector_kernels():
+        return False
     return (weight.device.type == "cpu" and weight.dim() == 2
             and weight.dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available()
@@ -86,13 +97,27 @@ def pack_linear(weight: torch.Tensor | QuantizedWeight, enabled: bool = True,
     if enabled and can_pack(weight):
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
         return LinearWeight(packed, True, out_features, in_features)
+    if weight.dtype == torch.float32 and weight.dim() == 2 and has_vector_kernels():
+        return LinearWeight(weight.contiguous(), False, out_features, in_features, dense_kernel=True)
     return LinearWeight(weight, False, out_features, in_features)
 
 
 def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
     """x [..., in] -> [..., out] = x @ W.T, in x's dtype."""
-    if w.quant is not None:
+    q = w.quant
+    if q is not None:
+        if x.dtype is torch.float32 and x.dim() == 2 and x.is_contiguous():
+            # a decode step's shape: straight to the kernel (the general path's reshapes
+            # and casts cost 8-12 us a call, ~1.2 ms of a 120-projection step)
+            if q.int8_activations:
+                return kernels().quantized_linear_int8(x, q.codes, q.scale, q.zero)
+            if x.shape[0] < DENSE_MIN_ROWS:
+                return (kernels().q4_linear(x, q.codes, q.scale, q.zero) if q.kind == Q4
+                        else kernels().q8_linear(x, q.codes, q.scale))
         return _quantized_linear(x, w)
+    if (w.dense_kernel and x.dtype is torch.float32 and x.dim() == 2 and x.shape[0] <= DENSE_MIN_ROWS
+            and x.is_contiguous()):
+        return kernels().dense_linear(x, w.weight)
     if w.is_packed:
         return _bucketed(x, w.weight.dtype, w.out_features, lambda rows: torch.ops.mkldnn._linear_pointwise(
             rows, w.weight, None, "none", [], ""))

@@ -254,10 +254,6 @@ class LlamaForCausalLM:
         qkv = linear(h, w.qkv)
         if w.qkv_bias is not None:
             qkv = qkv + w.qkv_bias
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
-        if w.q_norm is not None:
-            q, k = self.norm(q, w.q_norm), self.norm(k, w.k_norm)
         layer = kv_cache.layer(layer_id)
         local = self.rotary_local is not None and self.spec.rope_for_layer(layer_id) is self.spec.rope_local
         cos, sin = rope.tables[("tok", local)]
@@ -270,6 +266,10 @@ class LlamaForCausalLM:
                                         self.spec.num_attention_heads, self.spec.num_kv_heads, d)
             out = backend.forward(q, None, layer, group, self.attention_params(layer_id, kv_cache))
             return linear(out.reshape(t, self.q_size), w.o)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
+        if w.q_norm is not None:
+            q, k = self.norm(q, w.q_norm), self.norm(k, w.k_norm)
         q_sink = apply_rotary(q, *sink) if sink is not None and layer.sink_tokens else None
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         kv_cache.write(layer, k, v, step.groups[layer.group_index].slot_mapping)

@@ -69,13 +69,13 @@ class TorchPagedAttention(AttentionBackend):
 
     def forward(self, q, q_sink, kv, group, params):
         """Attention output [T, Hq, D] for the step's queries, in the batch's row order."""
+        if (group.decode is not None and kv.fp8_dtype is None and q.dtype == torch.float32
+                and kv.key.dtype in _IN_PLACE_POOL_DTYPES and kernels() is not None):
+            return _decode_in_place(q, q_sink, kv, group.decode, params)
         flat_k = kv.key.view(-1, *kv.key.shape[2:])  # [slots, Hkv, D]
         flat_v = kv.value.view(-1, *kv.value.shape[2:])
         if kv.fp8_dtype is not None:  # gathers dequantize the rows they read
             flat_k, flat_v = Fp8Rows(flat_k, kv.fp8_dtype), Fp8Rows(flat_v, kv.fp8_dtype)
-        elif (group.decode is not None and q.dtype == torch.float32 and kernels() is not None
-              and kv.key.dtype in _IN_PLACE_POOL_DTYPES):
-            return _decode_in_place(q, q_sink, kv, group.decode, params)
         if group.decode is not None:
             return _decode(q, q_sink, flat_k, flat_v, group.decode, params)
         out = torch.empty_like(q)

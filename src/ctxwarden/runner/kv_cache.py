@@ -97,6 +97,7 @@ class PagedKVCache:
         self.values = (self.keys if values_share_keys else
                        [_lazy_zeros(shape, dtype, device) for _ in range(layout.layers_per_group)])
         self.values_share_keys = values_share_keys
+        self._layers: dict[int, LayerKV] = {}
         self._slot_of_layer = {layer: (g_index, j)
                                for g_index, g in enumerate(layout.groups)
                                for j, layer in enumerate(g.layer_ids)}
@@ -113,12 +114,17 @@ class PagedKVCache:
         return [t for pair in zip(self.keys, self.values) for t in pair]
 
     def layer(self, layer_id: int) -> LayerKV:
-        """The tensor pair and window rules of model layer `layer_id`."""
+        """The tensor pair and window rules of model layer `layer_id` (built once: a decode
+        step asks for each layer's twice, and the pool's tensors never change)."""
+        found = self._layers.get(layer_id)
+        if found is not None:
+            return found
         g_index, j = self._slot_of_layer[layer_id]
         group = self.layout.groups[g_index]
         sinks = self.layout.sink_tokens if group.window_tokens else 0
-        return LayerKV(self.keys[j], self.values[j], g_index, group.window_tokens, sinks,
-                       self.fp8_dtype)
+        found = self._layers[layer_id] = LayerKV(self.keys[j], self.values[j], g_index,
+                                                 group.window_tokens, sinks, self.fp8_dtype)
+        return found
 
     def write(self, layer: LayerKV, key: torch.Tensor, value: torch.Tensor,
               slot_mapping: torch.Tensor) -> None:

@@ -189,3 +189,37 @@ def test_fused_norm_rope_write_and_silu_match_torch():
     assert torch.allclose(q, apply_rotary(qr.reshape(t, hq, d), cos, sin), atol=1e-6)
     assert torch.allclose(k_pool.view(-1, hkv, d)[slots], apply_rotary(kr.reshape(t, hkv, d), cos, sin), atol=1e-6)
     assert torch.equal(v_pool.view(-1, hkv, d)[slots], vr.reshape(t, hkv, d))
+
+
+@pytest.mark.parametrize("weights", ["fp32", "auto", "int8", "auto-int8act"])
+def test_whole_decode_layer_call_is_bit_identical_to_the_python_calls(weights):
+    """ext's decode_layer against the same layer as ~10 calls from Python, on SmolLM2's
+    weights in each projection mode: a batched decode step's logits and every KV page agree
+    exactly (same kernels, same order), and the one-call path is the one taken."""
+    from ctxwarden.runner import ForwardBatch, ModelRunner, RunnerConfig, SequenceInput
+    from ctxwarden.spec.checkpoint import default_model_path
+
+    try:
+        default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    runner = ModelRunner(None, RunnerConfig(num_blocks=12, weights=weights))
+    model, g = runner.model, torch.Generator().manual_seed(3)
+    tables = [(tuple(range(4 * s, 4 * s + 4)),) for s in range(3)]
+    lengths = [5, 40, 17]
+    for n, t in zip(lengths, tables):
+        runner.forward(ForwardBatch((SequenceInput.chunk(torch.randint(0, 40000, (n,), generator=g).tolist(), 0, t),)))
+    step = ForwardBatch(tuple(SequenceInput.chunk([77 + i], n, t) for i, (n, t) in enumerate(zip(lengths, tables))))
+    pools = [p.clone() for p in runner.kv_cache._tensors()]
+    taken = []
+    whole_args = model._whole_layer_args
+    model._whole_layer_args = lambda *a: taken.append(whole_args(*a)) or taken[-1]
+    one_call = runner.forward(step)
+    assert len(taken) == model.spec.num_layers and all(a is not None for a in taken)
+    after_one_call = [p.clone() for p in runner.kv_cache._tensors()]
+    for p, saved in zip(runner.kv_cache._tensors(), pools):
+        p.copy_(saved)
+    model._whole_layer_args = lambda *a: None  # every layer through the Python calls
+    calls = runner.forward(step)
+    assert torch.equal(one_call, calls)
+    assert all(torch.equal(a, b) for a, b in zip(after_one_call, runner.kv_cache._tensors()))

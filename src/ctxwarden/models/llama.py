@@ -24,12 +24,12 @@ import torch
 
 from ctxwarden.ext import kernels
 from ctxwarden.spec.model_spec import ModelSpec
-from ctxwarden.layers.linear import LinearWeight, linear, pack_linear
-from ctxwarden.layers.quant import QuantizedWeight, rows_of, stack_rows
+from ctxwarden.layers.linear import DENSE_MIN_ROWS, LinearWeight, linear, pack_linear
+from ctxwarden.layers.quant import Q4, QuantizedWeight, rows_of, stack_rows
 from ctxwarden.layers.mlp import activation, gated_mlp
 from ctxwarden.layers.norm import rms_norm
 from ctxwarden.layers.rotary import RotaryEmbedding, apply_rotary
-from ctxwarden.runner.attention import AttentionBackend, AttentionParams
+from ctxwarden.runner.attention import AttentionBackend, AttentionParams, TorchPagedAttention
 from ctxwarden.runner.inputs import StepInputs
 from ctxwarden.runner.kv_cache import PagedKVCache
 
@@ -76,8 +76,9 @@ class LlamaForCausalLM:
         dequantize only the rows asked for, and the tied lm_head uses the same codes.
         """
         self.spec, self.embed_tokens, self.layers = spec, embed, layers
-        # Reordered even when tied to the embedding (the lookup needs plain rows): the copy
-        # costs vocab x hidden bytes and buys 1.3x at one row, 3.6x at 16 rows per step.
+        # Where pack_linear reorders (bf16; fp32 without ext/'s vector path) a tied lm_head
+        # becomes a copy of vocab x hidden (the lookup needs plain rows); a plain fp32 one
+        # with ext/ is the embedding's own tensor, multiplied by dense_linear at decode.
         self.final_norm, self.lm_head = final_norm, pack_linear(lm_head)
         self.dtype = dtype or final_norm.dtype
         self.act = activation(spec.hidden_act)
@@ -241,11 +242,67 @@ class LlamaForCausalLM:
                 and self.spec.hidden_act in ("silu", "swish") and not self.spec.qk_norm)
 
     def _fused_decoder_layer(self, layer_id, w: LayerWeights, x, step, rope, kv_cache, backend):
+        whole = self._whole_layer_args(layer_id, w, x, step, rope, kv_cache, backend)
+        if whole is not None:  # one ext/ call for the layer (x updated in place)
+            kernels().decode_layer(x, *whole)
+            return x
+        return self._fused_layer_calls(layer_id, w, x, step, rope, kv_cache, backend)
+
+    def _fused_layer_calls(self, layer_id, w: LayerWeights, x, step, rope, kv_cache, backend):
+        """The fused layer as ~10 calls from Python (ext/'s decode_layer makes them in one)."""
         ext, eps = kernels(), self.spec.rms_norm_eps
         h = ext.rms_norm(x, w.input_norm, eps, self.norm_offset)
         attn = self.attention(layer_id, w, h, step, rope, kv_cache, backend)
         h = ext.add_rms_norm(x, attn, w.post_attn_norm, eps, self.norm_offset)  # x += attn
         return x.add_(linear(ext.silu_mul(linear(h, w.gate_up)), w.down))
+
+    def _whole_layer_args(self, layer_id, w: LayerWeights, x, step, rope, kv_cache, backend):
+        """Arguments of ext's decode_layer for this layer and step, or None where the layer
+        must take the calls from Python: a subclass's own attention, biases or q/k norms,
+        sinks, fp8 KV, prefill rows, a monitored backend, or a projection without a kernel."""
+        if (type(self).attention is not LlamaForCausalLM.attention or type(backend) is not TorchPagedAttention
+                or x.shape[0] >= DENSE_MIN_ROWS or w.qkv_bias is not None or w.q_norm is not None):
+            return None
+        layer = kv_cache.layer(layer_id)
+        group = step.groups[layer.group_index]
+        if group.decode is None or layer.fp8_dtype is not None or layer.key.dtype not in (torch.float32,
+                                                                                          torch.bfloat16):
+            return None
+        local = self.rotary_local is not None and self.spec.rope_for_layer(layer_id) is self.spec.rope_local
+        if layer.sink_tokens and rope.tables.get(("sink", local, layer.group_index)) is not None:
+            return None
+        held = self._whole_layer_weights(layer_id, w)
+        if held is None:
+            return None
+        cos, sin = rope.tables[("tok", local)]
+        dk, params = group.decode, self.attention_params(layer_id, kv_cache)
+        return (held[0], self.spec.rms_norm_eps, self.norm_offset, held[1], held[2], cos, sin, layer.key,
+                layer.value, group.slot_mapping, self.spec.num_attention_heads, self.spec.num_kv_heads,
+                self.spec.head_dim, dk.key_slots, dk.num_keys, dk.num_sink_keys, params.scale,
+                params.softcap or 0.0)
+
+    def _whole_layer_weights(self, layer_id: int, w: LayerWeights):
+        """(norms, 12 weight tensors, 4 modes) for decode_layer, built once per layer; None
+        when a projection has no ext/ kernel at decode (a reordered bf16 weight)."""
+        cache = self.__dict__.setdefault("_whole_layer_cache", {})
+        found = cache.get(layer_id)
+        if found is not None and found[0] is w:
+            return found[1]
+        modes, tensors, empty = [], [], torch.empty(0)
+        for lw in (w.qkv, w.o, w.gate_up, w.down):
+            q = lw.quant
+            if q is not None:
+                modes.append((3 if q.kind == Q4 else 4) if q.int8_activations else (1 if q.kind == Q4 else 2))
+                tensors += [q.codes, q.scale, q.zero if q.zero is not None else empty]
+            elif lw.dense_kernel:
+                modes.append(0)
+                tensors += [lw.weight, empty, empty]
+            else:
+                cache[layer_id] = (w, None)
+                return None
+        held = ([w.input_norm, w.post_attn_norm], tensors, modes)
+        cache[layer_id] = (w, held)
+        return held
 
     def attention(self, layer_id, w: LayerWeights, h, step: StepInputs, rope: StepRope,
                   kv_cache: PagedKVCache, backend: AttentionBackend) -> torch.Tensor:

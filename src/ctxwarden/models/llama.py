@@ -145,8 +145,10 @@ class LlamaForCausalLM:
         head_mode = "int8" if weights == "int4" else weights
         if spec.tie_word_embeddings:
             lm_head = source.get_linear(name, head_mode, dtype)
-            # a quantized table serves lookups too (rows dequantized on demand)
-            embed = lm_head if isinstance(lm_head, QuantizedWeight) else source.get(name, dtype)
+            # a quantized table serves lookups too (rows dequantized on demand), and so does
+            # a dense one in `dtype` (one copy of vocab x hidden, not two)
+            shared = isinstance(lm_head, QuantizedWeight) or lm_head.dtype == dtype
+            embed = lm_head if shared else source.get(name, dtype)
         else:
             embed = source.get(name, dtype)
             lm_head = source.get_linear("lm_head.weight", head_mode, dtype)

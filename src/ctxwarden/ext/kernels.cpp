@@ -389,13 +389,21 @@ void quantize_rows(const at::Tensor& x, Int8Rows& out, bool paired) {
   });
 }
 
-// Eight int32 vectors -> one vector of their eight horizontal sums (as hsum8 for floats).
+// Eight vectors -> one vector of their eight horizontal sums (6 hadds, 2 permutes, 1 add,
+// instead of eight separate reductions of ~6 instructions each), for fp32 or int32 lanes.
+template <typename T, typename Hadd, typename Fold>
+inline T hsum8_lanes(const T* a, Hadd hadd, Fold fold) {
+  const T h01 = hadd(a[0], a[1]), h23 = hadd(a[2], a[3]), h45 = hadd(a[4], a[5]), h67 = hadd(a[6], a[7]);
+  // lower 128 bits: sums of lanes 0-3 of a[0..3]; upper: of lanes 4-7
+  return fold(hadd(h01, h23), hadd(h45, h67));
+}
+
 inline __m256i hsum8_epi32(const __m256i* a) {
-  const __m256i h01 = _mm256_hadd_epi32(a[0], a[1]), h23 = _mm256_hadd_epi32(a[2], a[3]);
-  const __m256i h45 = _mm256_hadd_epi32(a[4], a[5]), h67 = _mm256_hadd_epi32(a[6], a[7]);
-  const __m256i h0123 = _mm256_hadd_epi32(h01, h23), h4567 = _mm256_hadd_epi32(h45, h67);
-  return _mm256_add_epi32(_mm256_permute2x128_si256(h0123, h4567, 0x20),
-                          _mm256_permute2x128_si256(h0123, h4567, 0x31));
+  return hsum8_lanes(a, [](__m256i x, __m256i y) { return _mm256_hadd_epi32(x, y); },
+                     [](__m256i lo, __m256i hi) {
+                       return _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20),
+                                               _mm256_permute2x128_si256(lo, hi, 0x31));
+                     });
 }
 
 // Eight fp16 values -> fp32 (F16C).
@@ -702,15 +710,12 @@ inline __m256 vfold8(V16 x) {
 inline __m256 vfold8(V16 x) { return _mm256_add_ps(x.a, x.b); }
 #endif
 
-// Eight vectors -> one vector of their eight horizontal sums (6 hadds, 2 permutes, 1 add,
-// instead of eight separate reductions of ~6 instructions each).
 inline __m256 hsum8(const __m256* a) {
-  const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
-  const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
-  // lower 128 bits: sums of lanes 0-3 of a[0..3]; upper: of lanes 4-7
-  const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
-  return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20),
-                       _mm256_permute2f128_ps(h0123, h4567, 0x31));
+  return hsum8_lanes(a, [](__m256 x, __m256 y) { return _mm256_hadd_ps(x, y); },
+                     [](__m256 lo, __m256 hi) {
+                       return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20),
+                                            _mm256_permute2f128_ps(lo, hi, 0x31));
+                     });
 }
 
 // out[j] = scale * q . k_j for keys j < n (key j at flat slot slots[j]); eight keys per
@@ -1003,30 +1008,57 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
 
 namespace {
 
+// The lanes a dense tile accumulates on: V16 under AVX-512, single ymm registers under
+// AVX2 (16 ymm: a V16 takes two, so a V16 tile stops at 2 x 2, while on single ymm lanes a
+// 3 x 4 tile fits: 12 accumulators, 3 weights, 1 x, so 7 loads per 12 FMAs).
+#if CW_SIMD == 2
+struct DenseLanes {
+  using T = V16;
+  static constexpr int64_t kWidth = 16;
+  static T zero() { return vzero(); }
+  static T load(const float* p) { return vload(p); }
+  static T fma(T a, T b, T c) { return vfmadd(a, b, c); }
+  static float sum(T a) { return vsum(a); }
+};
+#elif CW_SIMD == 1
+struct DenseLanes {
+  using T = __m256;
+  static constexpr int64_t kWidth = 8;
+  static T zero() { return _mm256_setzero_ps(); }
+  static T load(const float* p) { return _mm256_loadu_ps(p); }
+  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static float sum(T s) { return vsum(V16{s, _mm256_setzero_ps()}); }
+};
+#if !defined(CW_DENSE_N)
+#define CW_DENSE_N 3
+#define CW_DENSE_M 4
+#endif
+#endif
+
 // y[r, n0 + b] for NB weight rows x R rows of x: each weight load feeds R FMAs and each
-// x load NB, so a 2 x 2 tile issues one load per FMA (the load ports' rate, on AVX2 as
-// on AVX-512: 8 ymm / 4 zmm accumulators).
+// x load NB (a 2 x 2 tile of V16 issues one load per FMA, the load ports' rate).
 template <int NB, int R>
 inline void dense_tile(const float* w, int64_t k, const float* x, int64_t n0, int64_t r0,
                        float* y, int64_t ldy) {
 #if CW_SIMD
-  V16 acc[NB][R];
+  using L = DenseLanes;
+  typename L::T acc[NB][R];
   for (int b = 0; b < NB; ++b)
-    for (int r = 0; r < R; ++r) acc[b][r] = vzero();
+    for (int r = 0; r < R; ++r) acc[b][r] = L::zero();
   int64_t i = 0;
-  for (; i + 16 <= k; i += 16) {
-    V16 wv[NB];
-    for (int b = 0; b < NB; ++b) wv[b] = vload(w + (n0 + b) * k + i);
+  for (; i + L::kWidth <= k; i += L::kWidth) {
+    typename L::T wv[NB];
+    for (int b = 0; b < NB; ++b) wv[b] = L::load(w + (n0 + b) * k + i);
     for (int r = 0; r < R; ++r) {
-      const V16 xv = vload(x + (r0 + r) * k + i);
-      for (int b = 0; b < NB; ++b) acc[b][r] = vfmadd(wv[b], xv, acc[b][r]);
+      const typename L::T xv = L::load(x + (r0 + r) * k + i);
+      for (int b = 0; b < NB; ++b) acc[b][r] = L::fma(wv[b], xv, acc[b][r]);
     }
   }
   for (int b = 0; b < NB; ++b)
     for (int r = 0; r < R; ++r) {
       const float* wr = w + (n0 + b) * k;
       const float* xr = x + (r0 + r) * k;
-      float s = vsum(acc[b][r]);
+      float s = L::sum(acc[b][r]);
       for (int64_t j = i; j < k; ++j) s += wr[j] * xr[j];
       y[(r0 + r) * ldy + n0 + b] = s;
     }
@@ -1039,47 +1071,6 @@ inline void dense_tile(const float* w, int64_t k, const float* x, int64_t n0, in
     }
 #endif
 }
-
-#if CW_SIMD == 1
-// AVX2 has 16 ymm registers: a V16 takes two, so a V16 tile stops at 2 x 2. On single ymm
-// lanes a 3 x 4 tile fits (12 accumulators, 3 weights, 1 x): 7 loads per 12 FMAs.
-inline float hsum8(__m256 s) {
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-}
-template <int NB, int R>
-inline void dense_tile8(const float* w, int64_t k, const float* x, int64_t n0, int64_t r0,
-                        float* y, int64_t ldy) {
-  __m256 acc[NB][R];
-  for (int b = 0; b < NB; ++b)
-    for (int r = 0; r < R; ++r) acc[b][r] = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= k; i += 8) {
-    __m256 wv[NB];
-    for (int b = 0; b < NB; ++b) wv[b] = _mm256_loadu_ps(w + (n0 + b) * k + i);
-    for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_loadu_ps(x + (r0 + r) * k + i);
-      for (int b = 0; b < NB; ++b) acc[b][r] = _mm256_fmadd_ps(wv[b], xv, acc[b][r]);
-    }
-  }
-  for (int b = 0; b < NB; ++b)
-    for (int r = 0; r < R; ++r) {
-      const float* wr = w + (n0 + b) * k;
-      const float* xr = x + (r0 + r) * k;
-      float s = hsum8(acc[b][r]);
-      for (int64_t j = i; j < k; ++j) s += wr[j] * xr[j];
-      y[(r0 + r) * ldy + n0 + b] = s;
-    }
-}
-#define CW_DENSE_TILE dense_tile8
-#if !defined(CW_DENSE_N)
-#define CW_DENSE_N 3
-#define CW_DENSE_M 4
-#endif
-#else
-#define CW_DENSE_TILE dense_tile
-#endif
 
 #if !defined(CW_DENSE_N1)
 #define CW_DENSE_N1 4  // weight rows per tile at one row of x (streams in flight)
@@ -1100,8 +1091,8 @@ inline void dense_range(const float* w, int64_t k, const float* x, int64_t m, in
   } else {
     for (; n0 + NB <= end; n0 += NB) {
       int64_t r0 = 0;
-      for (; r0 + R <= m; r0 += R) CW_DENSE_TILE<NB, R>(w, k, x, n0, r0, y, ldy);
-      for (; r0 < m; ++r0) CW_DENSE_TILE<NB, 1>(w, k, x, n0, r0, y, ldy);
+      for (; r0 + R <= m; r0 += R) dense_tile<NB, R>(w, k, x, n0, r0, y, ldy);
+      for (; r0 < m; ++r0) dense_tile<NB, 1>(w, k, x, n0, r0, y, ldy);
     }
   }
   for (; n0 < end; ++n0)

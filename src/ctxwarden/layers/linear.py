@@ -38,8 +38,8 @@ from ctxwarden.ext import has_vector_kernels, kernels
 from ctxwarden.layers.quant import Q4, QuantizedWeight, dequantize
 
 # Rows at which a quantized weight is dequantized for one dense GEMM instead of being
-# multiplied by the dequantizing kernel; a
-# plain fp32 weight takes ext's dense_linear up to this many rows, F.linear above.
+# multiplied by the dequantizing kernel; a plain fp32 weight takes ext's dense_linear up
+# to this many rows, F.linear above.
 DENSE_MIN_ROWS = 48
 
 

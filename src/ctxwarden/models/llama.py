@@ -29,7 +29,8 @@ from ctxwarden.layers.quant import Q4, QuantizedWeight, rows_of, stack_rows
 from ctxwarden.layers.mlp import activation, gated_mlp
 from ctxwarden.layers.norm import rms_norm
 from ctxwarden.layers.rotary import RotaryEmbedding, apply_rotary
-from ctxwarden.runner.attention import AttentionBackend, AttentionParams, TorchPagedAttention
+from ctxwarden.runner.attention import (IN_PLACE_POOL_DTYPES, AttentionBackend, AttentionParams,
+                                        TorchPagedAttention)
 from ctxwarden.runner.inputs import StepInputs
 from ctxwarden.runner.kv_cache import PagedKVCache
 
@@ -263,20 +264,15 @@ class LlamaForCausalLM:
         must take the calls from Python: a subclass's own attention, biases or q/k norms,
         sinks, fp8 KV, prefill rows, a monitored backend, or a projection without a kernel."""
         if (type(self).attention is not LlamaForCausalLM.attention or type(backend) is not TorchPagedAttention
-                or x.shape[0] >= DENSE_MIN_ROWS or w.qkv_bias is not None or w.q_norm is not None):
+                or x.shape[0] >= DENSE_MIN_ROWS or w.qkv_bias is not None):
             return None
-        layer = kv_cache.layer(layer_id)
-        group = step.groups[layer.group_index]
-        if group.decode is None or layer.fp8_dtype is not None or layer.key.dtype not in (torch.float32,
-                                                                                          torch.bfloat16):
-            return None
-        local = self.rotary_local is not None and self.spec.rope_for_layer(layer_id) is self.spec.rope_local
-        if layer.sink_tokens and rope.tables.get(("sink", local, layer.group_index)) is not None:
+        layer, group, cos, sin, sink = self._layer_inputs(layer_id, step, rope, kv_cache)
+        if (not self._rotates_in_one_call(w, layer, sink, x) or group.decode is None
+                or layer.key.dtype not in IN_PLACE_POOL_DTYPES):
             return None
         held = self._whole_layer_weights(layer_id, w)
         if held is None:
             return None
-        cos, sin = rope.tables[("tok", local)]
         dk, params = group.decode, self.attention_params(layer_id, kv_cache)
         return (held[0], self.spec.rms_norm_eps, self.norm_offset, held[1], held[2], cos, sin, layer.key,
                 layer.value, group.slot_mapping, self.spec.num_attention_heads, self.spec.num_kv_heads,
@@ -306,6 +302,18 @@ class LlamaForCausalLM:
         cache[layer_id] = (w, held)
         return held
 
+    def _layer_inputs(self, layer_id: int, step: StepInputs, rope: StepRope, kv_cache: PagedKVCache):
+        """(its KV, its group's step inputs, cos, sin, sink table or None) for one layer."""
+        layer = kv_cache.layer(layer_id)
+        local = self.rotary_local is not None and self.spec.rope_for_layer(layer_id) is self.spec.rope_local
+        cos, sin = rope.tables[("tok", local)]
+        return layer, step.groups[layer.group_index], cos, sin, rope.tables.get(("sink", local, layer.group_index))
+
+    def _rotates_in_one_call(self, w: LayerWeights, layer, sink, h) -> bool:
+        """Whether ext's rope_write_kv rotates q/k and writes k/v for this layer and step."""
+        return ((sink is None or not layer.sink_tokens) and w.q_norm is None and layer.fp8_dtype is None
+                and self._is_fused_step(h))
+
     def attention(self, layer_id, w: LayerWeights, h, step: StepInputs, rope: StepRope,
                   kv_cache: PagedKVCache, backend: AttentionBackend) -> torch.Tensor:
         """Self-attention of one layer: project, rotate, write the cache, attend, project."""
@@ -313,13 +321,8 @@ class LlamaForCausalLM:
         qkv = linear(h, w.qkv)
         if w.qkv_bias is not None:
             qkv = qkv + w.qkv_bias
-        layer = kv_cache.layer(layer_id)
-        local = self.rotary_local is not None and self.spec.rope_for_layer(layer_id) is self.spec.rope_local
-        cos, sin = rope.tables[("tok", local)]
-        sink = rope.tables.get(("sink", local, layer.group_index))
-        group = step.groups[layer.group_index]
-        if ((sink is None or not layer.sink_tokens) and w.q_norm is None and layer.fp8_dtype is None
-                and self._is_fused_step(h)):
+        layer, group, cos, sin, sink = self._layer_inputs(layer_id, step, rope, kv_cache)
+        if self._rotates_in_one_call(w, layer, sink, h):
             # rotate q and k, write k and v to their pages, in one call (ext/kernels.cpp)
             q = kernels().rope_write_kv(qkv, cos, sin, layer.key, layer.value, group.slot_mapping,
                                         self.spec.num_attention_heads, self.spec.num_kv_heads, d)

@@ -38,7 +38,7 @@ _ONE_THREAD_MAX_KEYS = 1024
 # Flash attention that also returns the log-sum-exp (a private ATen op of CPU builds);
 # without it, chunks after the first take the masked SDPA path.
 # Pools ext/'s decode kernel reads in place (fp16 and fp8 pages are gathered, then converted).
-_IN_PLACE_POOL_DTYPES = (torch.float32, torch.bfloat16)
+IN_PLACE_POOL_DTYPES = (torch.float32, torch.bfloat16)
 _FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
@@ -70,7 +70,7 @@ class TorchPagedAttention(AttentionBackend):
     def forward(self, q, q_sink, kv, group, params):
         """Attention output [T, Hq, D] for the step's queries, in the batch's row order."""
         if (group.decode is not None and kv.fp8_dtype is None and q.dtype == torch.float32
-                and kv.key.dtype in _IN_PLACE_POOL_DTYPES and kernels() is not None):
+                and kv.key.dtype in IN_PLACE_POOL_DTYPES and kernels() is not None):
             return _decode_in_place(q, q_sink, kv, group.decode, params)
         flat_k = kv.key.view(-1, *kv.key.shape[2:])  # [slots, Hkv, D]
         flat_v = kv.value.view(-1, *kv.value.shape[2:])

@@ -1003,8 +1003,13 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
 
 // ---- dense fp32 weights at a few rows (decode) ------------------------------------------
 // A decode step's dense projection reads every weight once and does 2 flops per 4 bytes:
-// the rate is the memory's. A block of kDenseBlock weight rows streams in once and serves
-// every row of x while it sits in L1 (kDenseBlock x K x 4 bytes: 9 KB at K = 576).
+// the rate is the memory's. A tile of weight rows streams in once and serves every row of
+// x while it sits in L1 (4 rows x K x 4 bytes: 9 KB at K = 576).
+//
+// decode_layer (below) names each projection's kernel by a mode, assigned in
+// layers/linear.py's decode_kernel: 0 plain fp32 weight (dense_linear), 1 q4 with fp32
+// activations, 2 q8 with fp32 activations, 3 q4 with int8 activations, 4 q8 with int8
+// activations.
 
 namespace {
 
@@ -1126,10 +1131,7 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w) {
 // a decode layer's ~10 calls from Python cost ~25-35 us of dispatch and glue (about 1 ms of
 // SmolLM2's 8-9 ms batch-1 step). Same kernels, same order, same inputs, so the result is
 // bit-identical to the Python sequence (tests/runner/test_kernels.py).
-//
-// A projection is (mode, three tensors; unused ones empty): 0 plain fp32 weight
-// (dense_linear), 1 q4 with fp32 activations, 2 q8 with fp32 activations, 3 q4 with int8
-// activations, 4 q8 with int8 activations.
+// A projection is a mode (see dense_linear's section) and three tensors, unused ones empty.
 
 namespace {
 

@@ -163,6 +163,20 @@ def _quantized_linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
     return out.to(x.dtype).reshape(*x.shape[:-1], w.out_features)
 
 
+def decode_kernel(w: LinearWeight) -> tuple[int, list[torch.Tensor]] | None:
+    """The ext/ kernel `linear` runs for `w` at a decode step, as ext's decode_layer names
+    it: (mode, 3 tensors; unused slots empty), or None where there is none (a reordered
+    weight). Modes: 0 dense_linear, 1 q4_linear, 2 q8_linear, 3 / 4 quantized_linear_int8
+    on q4 / q8 codes."""
+    q, empty = w.quant, torch.empty(0)
+    if q is not None:
+        mode = (3 if q.kind == Q4 else 4) if q.int8_activations else (1 if q.kind == Q4 else 2)
+        return mode, [q.codes, q.scale, q.zero if q.zero is not None else empty]
+    if w.dense_kernel:
+        return 0, [w.weight, empty, empty]
+    return None
+
+
 def dense_weight(w: LinearWeight) -> torch.Tensor:
     """The weight as a dense [out, in] tensor (a temporary for quantized layouts)."""
     if w.quant is None:

@@ -24,8 +24,8 @@ import torch
 
 from ctxwarden.ext import kernels
 from ctxwarden.spec.model_spec import ModelSpec
-from ctxwarden.layers.linear import DENSE_MIN_ROWS, LinearWeight, linear, pack_linear
-from ctxwarden.layers.quant import Q4, QuantizedWeight, rows_of, stack_rows
+from ctxwarden.layers.linear import DENSE_MIN_ROWS, LinearWeight, decode_kernel, linear, pack_linear
+from ctxwarden.layers.quant import QuantizedWeight, rows_of, stack_rows
 from ctxwarden.layers.mlp import activation, gated_mlp
 from ctxwarden.layers.norm import rms_norm
 from ctxwarden.layers.rotary import RotaryEmbedding, apply_rotary
@@ -82,6 +82,7 @@ class LlamaForCausalLM:
         # with ext/ is the embedding's own tensor, multiplied by dense_linear at decode.
         self.final_norm, self.lm_head = final_norm, pack_linear(lm_head)
         self.dtype = dtype or final_norm.dtype
+        self._whole_layer_cache: dict[int, tuple | None] = {}  # layer id -> decode_layer's weights
         self.act = activation(spec.hidden_act)
         self.q_size = spec.num_attention_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
@@ -282,25 +283,12 @@ class LlamaForCausalLM:
     def _whole_layer_weights(self, layer_id: int, w: LayerWeights):
         """(norms, 12 weight tensors, 4 modes) for decode_layer, built once per layer; None
         when a projection has no ext/ kernel at decode (a reordered bf16 weight)."""
-        cache = self.__dict__.setdefault("_whole_layer_cache", {})
-        found = cache.get(layer_id)
-        if found is not None and found[0] is w:
-            return found[1]
-        modes, tensors, empty = [], [], torch.empty(0)
-        for lw in (w.qkv, w.o, w.gate_up, w.down):
-            q = lw.quant
-            if q is not None:
-                modes.append((3 if q.kind == Q4 else 4) if q.int8_activations else (1 if q.kind == Q4 else 2))
-                tensors += [q.codes, q.scale, q.zero if q.zero is not None else empty]
-            elif lw.dense_kernel:
-                modes.append(0)
-                tensors += [lw.weight, empty, empty]
-            else:
-                cache[layer_id] = (w, None)
-                return None
-        held = ([w.input_norm, w.post_attn_norm], tensors, modes)
-        cache[layer_id] = (w, held)
-        return held
+        if layer_id not in self._whole_layer_cache:
+            kernels_of = [decode_kernel(lw) for lw in (w.qkv, w.o, w.gate_up, w.down)]
+            self._whole_layer_cache[layer_id] = None if None in kernels_of else (
+                [w.input_norm, w.post_attn_norm], [t for _, ts in kernels_of for t in ts],
+                [mode for mode, _ in kernels_of])
+        return self._whole_layer_cache[layer_id]
 
     def _layer_inputs(self, layer_id: int, step: StepInputs, rope: StepRope, kv_cache: PagedKVCache):
         """(its KV, its group's step inputs, cos, sin, sink table or None) for one layer."""

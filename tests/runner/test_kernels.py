@@ -192,10 +192,12 @@ def test_fused_norm_rope_write_and_silu_match_torch():
 
 
 @pytest.mark.parametrize("weights", ["fp32", "auto", "int8", "auto-int8act"])
-def test_whole_decode_layer_call_is_bit_identical_to_the_python_calls(weights):
-    """ext's decode_layer against the same layer as ~10 calls from Python, on SmolLM2's
-    weights in each projection mode: a batched decode step's logits and every KV page agree
-    exactly (same kernels, same order), and the one-call path is the one taken."""
+def test_whole_step_and_layer_calls_are_bit_identical_to_the_python_calls(weights):
+    """ext's one-call paths against the same layers as ~10 calls each from Python, on
+    SmolLM2's weights in each projection mode: a batched decode step through DecodeStack
+    (every layer in one call and one parallel region), through decode_layer (one call per
+    layer), and through the Python calls gives the same logits and KV pages exactly (same
+    kernels, same order), and each path is the one taken."""
     from ctxwarden.runner import ForwardBatch, ModelRunner, RunnerConfig, SequenceInput
     from ctxwarden.spec.checkpoint import default_model_path
 
@@ -211,15 +213,23 @@ def test_whole_decode_layer_call_is_bit_identical_to_the_python_calls(weights):
         runner.forward(ForwardBatch((SequenceInput.chunk(torch.randint(0, 40000, (n,), generator=g).tolist(), 0, t),)))
     step = ForwardBatch(tuple(SequenceInput.chunk([77 + i], n, t) for i, (n, t) in enumerate(zip(lengths, tables))))
     pools = [p.clone() for p in runner.kv_cache._tensors()]
-    taken = []
-    whole_args = model._whole_layer_args
-    model._whole_layer_args = lambda *a: taken.append(whole_args(*a)) or taken[-1]
-    one_call = runner.forward(step)
-    assert len(taken) == model.spec.num_layers and all(a is not None for a in taken)
-    after_one_call = [p.clone() for p in runner.kv_cache._tensors()]
-    for p, saved in zip(runner.kv_cache._tensors(), pools):
-        p.copy_(saved)
-    model._whole_layer_args = lambda *a: None  # every layer through the Python calls
-    calls = runner.forward(step)
-    assert torch.equal(one_call, calls)
-    assert all(torch.equal(a, b) for a, b in zip(after_one_call, runner.kv_cache._tensors()))
+    whole_step, whole_args = model._whole_step, model._whole_layer_args
+    steps, layers = [], []
+    model._whole_step = lambda *a: steps.append(whole_step(*a)) or steps[-1]
+    model._whole_layer_args = lambda *a: layers.append(whole_args(*a)) or layers[-1]
+    results = []
+    for path in ("stack", "layer", "python"):
+        for p, saved in zip(runner.kv_cache._tensors(), pools):
+            p.copy_(saved)
+        if path == "layer":
+            model._whole_step = lambda *a: None
+        if path == "python":
+            model._whole_layer_args = lambda *a: None
+        results.append((runner.forward(step), [p.clone() for p in runner.kv_cache._tensors()]))
+    assert len(steps) == 1 and steps[0] is not None
+    assert steps[0][0].num_layers == model.spec.num_layers
+    assert len(layers) == model.spec.num_layers and all(a is not None for a in layers)
+    for logits, kv in results[1:]:
+        assert torch.equal(results[0][0], logits)
+        assert all(torch.equal(a, b) for a, b in zip(results[0][1], kv))
+    assert not torch.equal(results[0][1][0], pools[0])  # the step wrote its keys

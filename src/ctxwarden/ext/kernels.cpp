@@ -20,11 +20,17 @@
 #include <ATen/Parallel.h>
 
 #include <immintrin.h>
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -240,49 +246,82 @@ int64_t feature_grain(int64_t m, int64_t k) {
 
 }  // namespace
 
+namespace {
+
+// Weight rows [begin, end) of a q4 weight [N, K] against every row of x [M, K]: y [M, ldy].
+void q4_rows(const float* xp, int64_t m, int64_t k, const uint8_t* cp, const at::Half* sp,
+             const at::Half* zp, int64_t begin, int64_t end, float* yp, int64_t ldy) {
+  const int64_t groups = k / kGroup;
+#if CW_SIMD
+  auto dq = [&](int64_t j, int64_t g, V16& lo, V16& hi) {
+    dequant_q4(cp + j * (k / 2) + g * 16, half_to_float(sp[j * groups + g]),
+               half_to_float(zp[j * groups + g]), lo, hi);
+  };
+  dot_range(xp, m, k, begin, end, groups, dq, yp, ldy);
+#else
+  for (int64_t j = begin; j < end; ++j) {
+    const uint8_t* row = cp + j * (k / 2);
+    const at::Half *rs = sp + j * groups, *rz = zp + j * groups;
+    for (int64_t r = 0; r < m; ++r) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < groups; ++g)
+        for (int i = 0; i < 16; ++i) {
+          uint8_t b = row[g * 16 + i];
+          const float s = rs[g], z = rz[g];
+          acc += (s * (b & 0x0F) + z) * xp[r * k + g * kGroup + i];
+          acc += (s * (b >> 4) + z) * xp[r * k + g * kGroup + 16 + i];
+        }
+      yp[r * ldy + j] = acc;
+    }
+  }
+#endif
+}
+
+// The same for a q8 weight [N, K].
+void q8_rows(const float* xp, int64_t m, int64_t k, const int8_t* cp, const at::Half* sp,
+             int64_t begin, int64_t end, float* yp, int64_t ldy) {
+  const int64_t groups = k / kGroup;
+#if CW_SIMD
+  auto dq = [&](int64_t j, int64_t g, V16& lo, V16& hi) {
+    dequant_q8(cp + j * k + g * kGroup, half_to_float(sp[j * groups + g]), lo, hi);
+  };
+  dot_range(xp, m, k, begin, end, groups, dq, yp, ldy);
+#else
+  for (int64_t j = begin; j < end; ++j) {
+    const int8_t* row = cp + j * k;
+    const at::Half* rs = sp + j * groups;
+    for (int64_t r = 0; r < m; ++r) {
+      float acc = 0.f;
+      for (int64_t i = 0; i < k; ++i) acc += static_cast<float>(rs[i / kGroup]) * row[i] * xp[r * k + i];
+      yp[r * ldy + j] = acc;
+    }
+  }
+#endif
+}
+
+}  // namespace
+
 // y [M, N] = x [M, K] @ dequant(q4 weight)^T, fp32 throughout.
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                      const at::Tensor& zero) {
-  const int64_t n = codes.size(0), k = codes.size(1) * 2, m = x.size(0), groups = k / kGroup;
+  const int64_t n = codes.size(0), k = codes.size(1) * 2, m = x.size(0);
   check_linear_args(x, scale, k);
   TORCH_CHECK(codes.dtype() == at::kByte && codes.is_contiguous(), "q4 codes must be uint8");
+  TORCH_CHECK(zero.dtype() == at::kHalf && zero.is_contiguous(), "zeros must be fp16");
   at::Tensor y = at::empty({m, n}, x.options());
   const float* xp = x.data_ptr<float>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
-  TORCH_CHECK(zero.dtype() == at::kHalf && zero.is_contiguous(), "zeros must be fp16");
   const at::Half *sp = scale.data_ptr<at::Half>(), *zp = zero.data_ptr<at::Half>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, n, feature_grain(m, k), [&](int64_t begin, int64_t end) {
-#if CW_SIMD
-    auto dq = [&](int64_t j, int64_t g, V16& lo, V16& hi) {
-      dequant_q4(cp + j * (k / 2) + g * 16, half_to_float(sp[j * groups + g]),
-                 half_to_float(zp[j * groups + g]), lo, hi);
-    };
-    dot_range(xp, m, k, begin, end, groups, dq, yp, n);
-#else
-    for (int64_t j = begin; j < end; ++j) {
-      const uint8_t* row = cp + j * (k / 2);
-      const at::Half *rs = sp + j * groups, *rz = zp + j * groups;
-      for (int64_t r = 0; r < m; ++r) {
-        float acc = 0.f;
-        for (int64_t g = 0; g < groups; ++g)
-          for (int i = 0; i < 16; ++i) {
-            uint8_t b = row[g * 16 + i];
-            const float s = rs[g], z = rz[g];
-            acc += (s * (b & 0x0F) + z) * xp[r * k + g * kGroup + i];
-            acc += (s * (b >> 4) + z) * xp[r * k + g * kGroup + 16 + i];
-          }
-        yp[r * n + j] = acc;
-      }
-    }
-#endif
+    q4_rows(xp, m, k, cp, sp, zp, begin, end, yp, n);
   });
   return y;
 }
 
 // y [M, N] = x [M, K] @ dequant(q8 weight)^T, fp32 throughout.
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale) {
-  const int64_t n = codes.size(0), k = codes.size(1), m = x.size(0), groups = k / kGroup;
+  const int64_t n = codes.size(0), k = codes.size(1), m = x.size(0);
   check_linear_args(x, scale, k);
   TORCH_CHECK(codes.dtype() == at::kChar && codes.is_contiguous(), "q8 codes must be int8");
   at::Tensor y = at::empty({m, n}, x.options());
@@ -291,22 +330,7 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const at::Half* sp = scale.data_ptr<at::Half>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, n, feature_grain(m, k), [&](int64_t begin, int64_t end) {
-#if CW_SIMD
-    auto dq = [&](int64_t j, int64_t g, V16& lo, V16& hi) {
-      dequant_q8(cp + j * k + g * kGroup, half_to_float(sp[j * groups + g]), lo, hi);
-    };
-    dot_range(xp, m, k, begin, end, groups, dq, yp, n);
-#else
-    for (int64_t j = begin; j < end; ++j) {
-      const int8_t* row = cp + j * k;
-      const at::Half* rs = sp + j * groups;
-      for (int64_t r = 0; r < m; ++r) {
-        float acc = 0.f;
-        for (int64_t i = 0; i < k; ++i) acc += static_cast<float>(rs[i / kGroup]) * row[i] * xp[r * k + i];
-        yp[r * n + j] = acc;
-      }
-    }
-#endif
+    q8_rows(xp, m, k, cp, sp, begin, end, yp, n);
   });
   return y;
 }
@@ -369,23 +393,32 @@ inline void quantize_group(const float* x, int8_t* q, float* d, float* sum) {
 // second halves, 64 bytes: [2p: 0-15 | 2p+1: 0-15 | 2p: 16-31 | 2p+1: 16-31], the order in
 // which one 32-byte load of two q4 groups' codes yields its low and high nibbles (an odd
 // last group stays as it is).
-void quantize_rows(const at::Tensor& x, Int8Rows& out, bool paired) {
-  const int64_t m = x.size(0), k = x.size(1), groups = k / kGroup;
+void quantize_row_range(const float* xp, int64_t k, int64_t r0, int64_t r1, Int8Rows& out, bool paired) {
+  const int64_t groups = k / kGroup;
+  for (int64_t i = r0 * groups; i < r1 * groups; ++i) {
+    int8_t* q = out.q.data() + i * kGroup;
+    quantize_group(xp + i * kGroup, q, out.d.data() + i, out.sum.data() + i);
+    if (paired && i % groups % 2 == 1) {  // the second of a pair: swap the middle halves
+      const __m128i a1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q - 16));
+      const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q - 16), b0);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q), a1);
+    }
+  }
+}
+
+void size_rows(Int8Rows& out, int64_t m, int64_t k) {
   out.q.resize(m * k);
-  out.d.resize(m * groups);
-  out.sum.resize(m * groups);
+  out.d.resize(m * (k / kGroup));
+  out.sum.resize(m * (k / kGroup));
+}
+
+void quantize_rows(const at::Tensor& x, Int8Rows& out, bool paired) {
+  const int64_t m = x.size(0), k = x.size(1);
+  size_rows(out, m, k);
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, m, std::max<int64_t>(1, (1 << 16) / k), [&](int64_t r0, int64_t r1) {
-    for (int64_t i = r0 * groups; i < r1 * groups; ++i) {
-      int8_t* q = out.q.data() + i * kGroup;
-      quantize_group(xp + i * kGroup, q, out.d.data() + i, out.sum.data() + i);
-      if (paired && i % groups % 2 == 1) {  // the second of a pair: swap the middle halves
-        const __m128i a1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q - 16));
-        const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q - 16), b0);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q), a1);
-      }
-    }
+    quantize_row_range(xp, k, r0, r1, out, paired);
   });
 }
 
@@ -769,8 +802,10 @@ constexpr int64_t kMaxGroup = 64;  // query heads per KV head (checked at the ca
 template <typename T>
 void decode_one_head(const DecodeArgs& a, const float* q, const float* q_sink, const T* kp,
                      const T* vp, const int64_t* slots, int64_t num_keys, int64_t num_sink,
-                     int64_t h, float* out, std::vector<float>& scores) {
+                     int64_t h, float* out, std::vector<float>& scores, int64_t g_begin = 0,
+                     int64_t g_end = -1) {
   const int64_t d = a.head_dim, row = a.num_kv_heads * d, g_count = a.group;
+  if (g_end < 0) g_end = g_count;
   scores.resize(g_count * num_keys);
   const T *kh = kp + h * d, *vh = vp + h * d;
 #if CW_SIMD
@@ -778,7 +813,7 @@ void decode_one_head(const DecodeArgs& a, const float* q, const float* q_sink, c
 #else
   const bool vec = false;
 #endif
-  for (int64_t g = 0; g < g_count; ++g) {
+  for (int64_t g = g_begin; g < g_end; ++g) {
     const int64_t qo = (h * g_count + g) * d;
     float* sg = scores.data() + g * num_keys;
 #if CW_SIMD
@@ -794,15 +829,15 @@ void decode_one_head(const DecodeArgs& a, const float* q, const float* q_sink, c
       for (int64_t j = 0; j < num_keys; ++j) sg[j] = a.softcap * std::tanh(sg[j] / a.softcap);
   }
   float inv_total[kMaxGroup];
-  for (int64_t g = 0; g < g_count; ++g) {
+  for (int64_t g = g_begin; g < g_end; ++g) {
     float* sg = scores.data() + g * num_keys;
     const float top = *std::max_element(sg, sg + num_keys);
     inv_total[g] = 1.f / exp_sum(sg, num_keys, top);
   }
 #if CW_SIMD
   if (vec) {
-    for (int64_t g0 = 0; g0 < g_count; g0 += 4) {
-      const int gn = static_cast<int>(std::min<int64_t>(4, g_count - g0));
+    for (int64_t g0 = g_begin; g0 < g_end; g0 += 4) {
+      const int gn = static_cast<int>(std::min<int64_t>(4, g_end - g0));
       const float* p[4];
       float* o[4];
       for (int g = 0; g < gn; ++g) {
@@ -819,7 +854,7 @@ void decode_one_head(const DecodeArgs& a, const float* q, const float* q_sink, c
     return;
   }
 #endif
-  for (int64_t g = 0; g < g_count; ++g) {
+  for (int64_t g = g_begin; g < g_end; ++g) {
     float* o = out + (h * g_count + g) * d;
     std::fill(o, o + d, 0.f);
     for (int64_t j = 0; j < num_keys; ++j)
@@ -1127,9 +1162,14 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w) {
 }
 
 // ---- one whole decode layer ---------------------------------------------------------------
-// The fused ops above, in the order models/llama.py's fused path calls them, in one call:
-// a decode layer's ~10 calls from Python cost ~25-35 us of dispatch and glue (about 1 ms of
-// SmolLM2's 8-9 ms batch-1 step). Same kernels, same order, same inputs, so the result is
+// The fused ops above, in the order models/llama.py's fused path calls them, in one call and
+// one parallel region. Called op by op, a layer costs ~10 calls from Python (~25-35 us of
+// dispatch and glue) and opens a parallel region for each projection and attention: ~6 per
+// layer, each a wake-up of the other threads (~12 us under OMP_WAIT_POLICY=PASSIVE, which is
+// ~2 ms of SmolLM2's batch-1 step). Here the threads start once per layer and pass the
+// phases through a spin barrier (they are all running then: a wait is the imbalance of two
+// shares, a microsecond). Same kernels on the same inputs, and every output element is
+// computed whole by one thread in the same order whatever the split, so the result is
 // bit-identical to the Python sequence (tests/runner/test_kernels.py).
 // A projection is a mode (see dense_linear's section) and three tensors, unused ones empty.
 
@@ -1146,10 +1186,273 @@ at::Tensor run_linear(const at::Tensor& x, int64_t mode, const at::Tensor* t) {
   TORCH_CHECK(false, "unknown projection mode ", mode);
 }
 
+// One projection of a layer, its tensors checked and read once, before the parallel region.
+struct Projection {
+  int64_t mode, n, k;
+  const void* codes;  // mode 0: the fp32 weight
+  const at::Half *scale, *zero;
+};
+
+Projection projection_of(int64_t mode, const at::Tensor* t) {
+  TORCH_CHECK(mode >= 0 && mode <= 4, "unknown projection mode ", mode);
+  TORCH_CHECK(t[0].is_contiguous() && t[0].dim() == 2, "a projection's weight must be contiguous [N, K]");
+  if (mode == 0) {
+    TORCH_CHECK(t[0].dtype() == at::kFloat, "mode 0 takes a plain fp32 weight");
+    return {0, t[0].size(0), t[0].size(1), t[0].data_ptr(), nullptr, nullptr};
+  }
+  const bool q4 = mode == 1 || mode == 3;
+  TORCH_CHECK(t[0].dtype() == (q4 ? at::kByte : at::kChar), q4 ? "q4 codes must be uint8" : "q8 codes must be int8");
+  const int64_t k = q4 ? t[0].size(1) * 2 : t[0].size(1);
+  TORCH_CHECK(k % kGroup == 0, "K must be a multiple of 32, got ", k);
+  TORCH_CHECK(t[1].dtype() == at::kHalf && t[1].is_contiguous(), "scales must be fp16");
+  TORCH_CHECK(!q4 || (t[2].dtype() == at::kHalf && t[2].is_contiguous()), "zeros must be fp16");
+#if !CW_SIMD
+  TORCH_CHECK(mode < 3, "int8 activations need the AVX2 or AVX-512 build of the kernels");
+#endif
+  return {mode, t[0].size(0), k, t[0].data_ptr(), t[1].data_ptr<at::Half>(),
+          q4 ? t[2].data_ptr<at::Half>() : nullptr};
+}
+
+// Scratch a thread keeps through a layer: x rounded to int8 for the modes that take it.
+struct ThreadScratch {
+#if CW_SIMD
+  Int8Rows xa;
+#endif
+  std::vector<float> scores;
+};
+
+// Weight rows [begin, end) of p against x [m, p.k] into y [m, p.n].
+void project_rows(const Projection& p, const float* x, int64_t m, int64_t begin, int64_t end, float* y,
+                  ThreadScratch& s) {
+  switch (p.mode) {
+    case 0: dense_range(static_cast<const float*>(p.codes), p.k, x, m, begin, end, y, p.n); return;
+    case 1: q4_rows(x, m, p.k, static_cast<const uint8_t*>(p.codes), p.scale, p.zero, begin, end, y, p.n); return;
+    case 2: q8_rows(x, m, p.k, static_cast<const int8_t*>(p.codes), p.scale, begin, end, y, p.n); return;
+  }
+#if CW_SIMD
+  size_rows(s.xa, m, p.k);
+  quantize_row_range(x, p.k, 0, m, s.xa, p.mode == 3);  // each thread its own copy: K*m, tiny
+  const auto* cp = static_cast<const uint8_t*>(p.codes);
+  if (p.mode == 3) linear_i8_range<true>(s.xa, m, p.k, begin, end, cp, p.scale, p.zero, y, p.n);
+  else linear_i8_range<false>(s.xa, m, p.k, begin, end, cp, p.scale, nullptr, y, p.n);
+#endif
+}
+
+// Items [begin, end) of n for thread tid of nt: equal shares, rounded up to `align` items.
+inline std::pair<int64_t, int64_t> share(int64_t n, int tid, int nt, int64_t align) {
+  int64_t chunk = (n + nt - 1) / nt;
+  chunk = (chunk + align - 1) / align * align;
+  const int64_t begin = std::min(n, tid * chunk);
+  return {begin, std::min(n, begin + chunk)};
+}
+
+// The threads of one parallel region meet here between phases. They spin (pause) rather
+// than sleep: all of them are working, so a wait lasts as long as the imbalance of their
+// shares. One that waits long (another process took its core's partner) yields.
+class SpinBarrier {
+ public:
+  void wait(int threads) {
+    if (threads == 1) return;
+    const int gen = gen_.load(std::memory_order_acquire);
+    if (count_.fetch_add(1, std::memory_order_acq_rel) == threads - 1) {
+      count_.store(0, std::memory_order_relaxed);
+      gen_.store(gen + 1, std::memory_order_release);
+      return;
+    }
+    for (int spins = 0; gen_.load(std::memory_order_acquire) == gen; ++spins) {
+      if (spins < 4096) _mm_pause();
+      else std::this_thread::yield();
+    }
+  }
+
+ private:
+  std::atomic<int> count_{0}, gen_{0};
+};
+
 }  // namespace
 
-// x [T, hidden] fp32 is updated in place (the residual stream); weights: 12 tensors (qkv, o,
-// gate_up, down; 3 slots each) with modes [4]; norms [2]: input, post-attention.
+namespace {
+
+// What stays the same from step to step: a layer's projections, norms and KV pool pair.
+struct LayerParts {
+  Projection pj[4];
+  const float *input_norm, *post_norm;
+  at::Tensor k_pool, v_pool;
+};
+
+// A model's shape as the layers see it.
+struct StackShape {
+  int64_t hidden, hq, hkv, d, inter;
+  float eps, offset;
+  bool bf16_pool;
+};
+
+// Checks a layer's tensors against the shape and reads them into parts (before any region).
+LayerParts layer_parts(const StackShape& sh, const at::Tensor* norms, const at::Tensor* weights,
+                       const int64_t* modes, const at::Tensor& k_pool, const at::Tensor& v_pool) {
+  LayerParts l{{projection_of(modes[0], weights), projection_of(modes[1], weights + 3),
+                projection_of(modes[2], weights + 6), projection_of(modes[3], weights + 9)},
+               nullptr, nullptr, k_pool, v_pool};
+  const Projection* pj = l.pj;
+  TORCH_CHECK(pj[0].k == sh.hidden && pj[0].n == (sh.hq + 2 * sh.hkv) * sh.d && pj[1].k == sh.hq * sh.d &&
+                  pj[1].n == sh.hidden && pj[2].k == sh.hidden && pj[2].n == 2 * sh.inter && pj[3].k == sh.inter &&
+                  pj[3].n == sh.hidden,
+              "a decode layer's weights do not match hidden size ", sh.hidden, ", intermediate size ", sh.inter,
+              " and heads ", sh.hq, "/", sh.hkv, "x", sh.d);
+  for (int i = 0; i < 2; ++i)
+    TORCH_CHECK(norms[i].dtype() == at::kFloat && norms[i].is_contiguous() && norms[i].numel() == sh.hidden,
+                "norm weights must be fp32 [", sh.hidden, "]");
+  l.input_norm = norms[0].data_ptr<float>();
+  l.post_norm = norms[1].data_ptr<float>();
+  const auto pool_dtype = sh.bf16_pool ? at::kBFloat16 : at::kFloat;
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.dim() == 4 && k_pool.size(2) == sh.hkv &&
+                  k_pool.size(3) == sh.d && v_pool.sizes() == k_pool.sizes() && k_pool.dtype() == pool_dtype &&
+                  v_pool.dtype() == pool_dtype,
+              "KV pools must be contiguous ", sh.bf16_pool ? "bf16" : "fp32", " [blocks, block_size, ", sh.hkv, ", ",
+              sh.d, "]");
+  return l;
+}
+
+StackShape stack_shape(int64_t hidden, int64_t inter, int64_t hq, int64_t hkv, int64_t d, double eps,
+                       double offset, const at::Tensor& k_pool) {
+  TORCH_CHECK(hq % hkv == 0 && hq / hkv <= kMaxGroup, "query heads must be a multiple of KV heads (at most ",
+              kMaxGroup, " per KV head)");
+  TORCH_CHECK(k_pool.dtype() == at::kFloat || k_pool.dtype() == at::kBFloat16, "the KV pool must be fp32 or bf16");
+  return {hidden, hq, hkv, d, inter, static_cast<float>(eps), static_cast<float>(offset),
+          k_pool.dtype() == at::kBFloat16};
+}
+
+// Layers [0, n) of a decode step on x [T, hidden] (in place), all in one parallel region.
+void run_layers(const StackShape& sh, const LayerParts* layers, int64_t n, at::Tensor& x, const at::Tensor& cos,
+                const at::Tensor& sin, const at::Tensor& slot_mapping, const at::Tensor& key_slots,
+                const at::Tensor& num_keys, const at::Tensor& num_sink, double scale, double softcap) {
+  check_rows(x, "x");
+  const int64_t t = x.size(0), hidden = sh.hidden, hq = sh.hq, hkv = sh.hkv, d = sh.d, inter = sh.inter;
+  TORCH_CHECK(x.size(1) == hidden, "x has ", x.size(1), " features, the layers ", hidden);
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dtype() == at::kFloat && sin.dtype() == at::kFloat &&
+                  cos.dim() == 2 && cos.size(0) == t && sin.sizes() == cos.sizes() && cos.size(1) <= d,
+              "cos/sin must be fp32 [T, rotary dims]");
+  TORCH_CHECK(slot_mapping.dtype() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == t,
+              "one int64 slot per row");
+  TORCH_CHECK(key_slots.dtype() == at::kLong && num_keys.dtype() == at::kLong && num_sink.dtype() == at::kLong &&
+                  key_slots.dim() == 2 && key_slots.size(0) == t && num_keys.numel() == t && num_sink.numel() == t &&
+                  num_keys.is_contiguous() && num_sink.is_contiguous(),
+              "slots and counts must be int64, one row per sequence");
+  const DecodeArgs a{hkv, hq / hkv, d, static_cast<float>(scale), static_cast<float>(softcap)};
+  const int nt = std::max(1, at::get_num_threads());
+  const auto f = x.options();
+  at::Tensor qkv = at::empty({t, (hq + 2 * hkv) * d}, f), q = at::empty({t, hq, d}, f), attn = at::empty({t, hq * d}, f),
+             o = at::empty({t, hidden}, f), gu = at::empty({t, 2 * inter}, f), act = at::empty({t, inter}, f),
+             dn = at::empty({t, hidden}, f), own = at::empty({nt, 3, t, hidden}, f);
+  const at::Tensor slots = key_slots.contiguous();
+  float *xp = x.data_ptr<float>(), *qkvp = qkv.data_ptr<float>(), *qp = q.data_ptr<float>(),
+        *attnp = attn.data_ptr<float>(), *op = o.data_ptr<float>(), *gup = gu.data_ptr<float>(),
+        *actp = act.data_ptr<float>(), *dnp = dn.data_ptr<float>(), *ownp = own.data_ptr<float>();
+  const int64_t *sp = slots.data_ptr<int64_t>(), *np = num_keys.data_ptr<int64_t>(), *nsp = num_sink.data_ptr<int64_t>();
+  const int64_t width = slots.size(1);
+  SpinBarrier barrier;
+
+#pragma omp parallel num_threads(nt)
+  {
+#if defined(_OPENMP)
+    const int tid = omp_get_thread_num(), team = omp_get_num_threads();
+#else
+    const int tid = 0, team = 1;
+#endif
+    ThreadScratch scratch;
+    float *h = ownp + (tid * 3) * t * hidden, *r = h + t * hidden, *h2 = r + t * hidden;
+    auto project = [&](const Projection& p, const float* in, float* out) {
+      const auto [b, end] = share(p.n, tid, team, 8);
+      if (b < end) project_rows(p, in, t, b, end, out, scratch);
+      barrier.wait(team);
+    };
+    const auto [ub, ue] = share(t * hq, tid, team, 1);  // attention units: (sequence, query head)
+    const auto [cb, ce] = share(inter, tid, team, 16);
+    const auto [xb, xe] = share(t * hidden, tid, team, 16);
+    for (int64_t li = 0; li < n; ++li) {
+      const LayerParts& l = layers[li];
+      // each thread its own norm of x: no barrier
+      for (int64_t i = 0; i < t; ++i) norm_row(xp + i * hidden, l.input_norm, h + i * hidden, hidden, sh.eps, sh.offset);
+      project(l.pj[0], h, qkvp);
+      if (tid == 0) {
+        at::Tensor kpool = l.k_pool, vpool = l.v_pool;  // handles (rope_write_impl takes references)
+        if (sh.bf16_pool) rope_write_impl<at::BFloat16>(qkv, cos, sin, kpool, vpool, slot_mapping, hq, hkv, d, q);
+        else rope_write_impl<float>(qkv, cos, sin, kpool, vpool, slot_mapping, hq, hkv, d, q);
+      }
+      barrier.wait(team);
+      const void *kp = l.k_pool.data_ptr(), *vp = l.v_pool.data_ptr();
+      for (int64_t u = ub; u < ue;) {  // consecutive heads of one KV head in one call
+        const int64_t s = u / hq, head = u % hq, kvh = head / a.group, g0 = head % a.group;
+        const int64_t g1 = std::min(a.group, g0 + (ue - u));
+        const float* qs = qp + s * hq * d;
+        if (sh.bf16_pool)
+          decode_one_head<at::BFloat16>(a, qs, qs, static_cast<const at::BFloat16*>(kp),
+                                        static_cast<const at::BFloat16*>(vp), sp + s * width, np[s], nsp[s], kvh,
+                                        attnp + s * hq * d, scratch.scores, g0, g1);
+        else
+          decode_one_head<float>(a, qs, qs, static_cast<const float*>(kp), static_cast<const float*>(vp),
+                                 sp + s * width, np[s], nsp[s], kvh, attnp + s * hq * d, scratch.scores, g0, g1);
+        u += g1 - g0;
+      }
+      barrier.wait(team);
+      project(l.pj[1], attnp, op);
+      for (int64_t i = 0; i < t * hidden; ++i) r[i] = xp[i] + op[i];  // x + o, each thread its own
+      for (int64_t i = 0; i < t; ++i) norm_row(r + i * hidden, l.post_norm, h2 + i * hidden, hidden, sh.eps, sh.offset);
+      project(l.pj[2], h2, gup);
+      for (int64_t i = 0; i < t; ++i)
+        for (int64_t c = cb; c < ce; ++c) {  // silu(gate) * up, as silu_mul computes it
+          const float g = gup[i * 2 * inter + c];
+          actp[i * inter + c] = g / (1.f + std::exp(-g)) * gup[i * 2 * inter + inter + c];
+        }
+      barrier.wait(team);
+      project(l.pj[3], actp, dnp);
+      for (int64_t i = xb; i < xe; ++i) xp[i] = r[i] + dnp[i];  // (x + o) + down
+      if (li + 1 < n) barrier.wait(team);  // the next layer's norm reads all of x
+    }
+  }
+}
+
+}  // namespace
+
+// A model's decode layers, held once: run() takes a whole decode step's layers in one call
+// and one parallel region (the threads start once per step, not once per layer). Built from
+// per-layer lists: norms [2L] (input, post-attention), weights [12L] (qkv, o, gate_up, down; 3
+// slots each), modes [4L], and each layer's K/V pool pair (the pool's tensors never change).
+class DecodeStack {
+ public:
+  DecodeStack(const std::vector<at::Tensor>& norms, const std::vector<at::Tensor>& weights,
+              const std::vector<int64_t>& modes, const std::vector<at::Tensor>& k_pools,
+              const std::vector<at::Tensor>& v_pools, int64_t hidden, int64_t inter, int64_t hq, int64_t hkv,
+              int64_t d, double eps, double offset) {
+    const size_t n = k_pools.size();
+    TORCH_CHECK(n > 0 && v_pools.size() == n && norms.size() == 2 * n && weights.size() == 12 * n &&
+                    modes.size() == 4 * n,
+                "DecodeStack takes per layer 2 norms, 12 weight tensors, 4 modes and a K/V pool pair");
+    shape_ = stack_shape(hidden, inter, hq, hkv, d, eps, offset, k_pools[0]);
+    held_ = norms;
+    held_.insert(held_.end(), weights.begin(), weights.end());
+    for (size_t i = 0; i < n; ++i)
+      layers_.push_back(layer_parts(shape_, &norms[2 * i], &weights[12 * i], &modes[4 * i], k_pools[i], v_pools[i]));
+  }
+
+  void run(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping,
+           const at::Tensor& key_slots, const at::Tensor& num_keys, const at::Tensor& num_sink, double scale,
+           double softcap) const {
+    run_layers(shape_, layers_.data(), static_cast<int64_t>(layers_.size()), x, cos, sin, slot_mapping, key_slots,
+               num_keys, num_sink, scale, softcap);
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  StackShape shape_{};
+  std::vector<at::Tensor> held_;  // keeps the weights alive while layers_ points into them
+  std::vector<LayerParts> layers_;
+};
+
+// One decode layer (a one-layer DecodeStack): x [T, hidden] fp32 updated in place (the
+// residual stream); weights: 12 tensors (qkv, o, gate_up, down; 3 slots each) with modes
+// [4]; norms [2]: input, post-attention.
 void decode_layer(at::Tensor& x, const std::vector<at::Tensor>& norms, double eps, double offset,
                   const std::vector<at::Tensor>& weights, const std::vector<int64_t>& modes,
                   const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_pool, at::Tensor& v_pool,
@@ -1158,16 +1461,10 @@ void decode_layer(at::Tensor& x, const std::vector<at::Tensor>& norms, double ep
                   double scale, double softcap) {
   TORCH_CHECK(norms.size() == 2 && weights.size() == 12 && modes.size() == 4,
               "decode_layer takes 2 norms, 12 weight tensors and 4 modes");
-  const int64_t t = x.size(0);
-  const at::Tensor h = rms_norm(x, norms[0], eps, offset);
-  const at::Tensor qkv = run_linear(h, modes[0], weights.data());
-  const at::Tensor q = rope_write_kv(qkv, cos, sin, k_pool, v_pool, slot_mapping, hq, hkv, d);
-  const at::Tensor attn = paged_decode_attention(q.contiguous(), c10::nullopt, k_pool, v_pool, key_slots,
-                                                 num_keys, num_sink, scale, softcap);
-  const at::Tensor o = run_linear(attn.reshape({t, hq * d}), modes[1], weights.data() + 3);
-  const at::Tensor h2 = add_rms_norm(x, o, norms[1], eps, offset);  // x += o
-  const at::Tensor gu = run_linear(h2, modes[2], weights.data() + 6);
-  x.add_(run_linear(silu_mul(gu), modes[3], weights.data() + 9));
+  TORCH_CHECK(modes[2] >= 0 && modes[2] <= 4 && weights[6].dim() == 2, "gate_up must be a [2I, K] weight");
+  const StackShape sh = stack_shape(x.size(1), weights[6].size(0) / 2, hq, hkv, d, eps, offset, k_pool);
+  const LayerParts l = layer_parts(sh, norms.data(), weights.data(), modes.data(), k_pool, v_pool);
+  run_layers(sh, &l, 1, x, cos, sin, slot_mapping, key_slots, num_keys, num_sink, scale, softcap);
 }
 
 // Which vector set the kernels were compiled for: "avx512", "avx2" or "none" (scalar loops:
@@ -1182,6 +1479,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("codes"), py::arg("scale"), py::arg("zero") = py::none());
   m.def("dense_linear", &dense_linear, "x @ w^T for a plain fp32 weight at a few rows");
   m.def("decode_layer", &decode_layer, "one llama decode layer: norm, qkv, rope + KV write, attention, o, norm, MLP");
+  py::class_<DecodeStack>(m, "DecodeStack", "a model's llama decode layers, a whole step's in one call")
+      .def(py::init<const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const std::vector<int64_t>&,
+                    const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, int64_t, int64_t, int64_t,
+                    int64_t, int64_t, double, double>(),
+           py::arg("norms"), py::arg("weights"), py::arg("modes"), py::arg("k_pools"), py::arg("v_pools"),
+           py::arg("hidden"), py::arg("intermediate"), py::arg("num_heads"), py::arg("num_kv_heads"),
+           py::arg("head_dim"), py::arg("eps"), py::arg("offset"))
+      .def("run", &DecodeStack::run, "every layer of a decode step on x (in place)")
+      .def_property_readonly("num_layers", &DecodeStack::num_layers);
   m.def("q4_dequantize", &q4_dequantize, "q4 weight -> dense fp32 or bf16 [N, K]");
   m.def("rms_norm", &rms_norm, "RMSNorm of fp32 rows");
   m.def("add_rms_norm", &add_rms_norm, "x += delta; RMSNorm(x)");

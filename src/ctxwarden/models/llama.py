@@ -18,6 +18,7 @@ matmul. Gemma2 (gemma2.py) subclasses this and overrides the few steps that diff
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +84,7 @@ class LlamaForCausalLM:
         self.final_norm, self.lm_head = final_norm, pack_linear(lm_head)
         self.dtype = dtype or final_norm.dtype
         self._whole_layer_cache: dict[int, tuple | None] = {}  # layer id -> decode_layer's weights
+        self._stacks: dict[int, object | None] = {}  # id(kv_cache) -> ext DecodeStack, while it lives
         self.act = activation(spec.hidden_act)
         self.q_size = spec.num_attention_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
@@ -206,8 +208,13 @@ class LlamaForCausalLM:
         """Hidden states [R, hidden] (after the final norm) of the rows logits are asked for."""
         rope = self._step_rope(step, kv_cache)
         x = self.embed(step.input_ids)  # [T, hidden]
-        for layer_id, w in enumerate(self.layers):
-            x = self.decoder_layer(layer_id, w, x, step, rope, kv_cache, backend)
+        whole = self._whole_step(x, step, rope, kv_cache, backend)
+        if whole is not None:  # every layer in one ext/ call (x updated in place)
+            stack, inputs = whole
+            stack.run(x, *inputs)
+        else:
+            for layer_id, w in enumerate(self.layers):
+                x = self.decoder_layer(layer_id, w, x, step, rope, kv_cache, backend)
         x = x.index_select(0, step.logits_indices)  # only the rows sampled: the lm_head is the largest matmul
         return self.norm(x, self.final_norm)
 
@@ -264,6 +271,19 @@ class LlamaForCausalLM:
         """Arguments of ext's decode_layer for this layer and step, or None where the layer
         must take the calls from Python: a subclass's own attention, biases or q/k norms,
         sinks, fp8 KV, prefill rows, a monitored backend, or a projection without a kernel."""
+        inputs = self._whole_layer_inputs(layer_id, w, x, step, rope, kv_cache, backend)
+        held = None if inputs is None else self._whole_layer_weights(layer_id, w)
+        if held is None:
+            return None
+        cos, sin, slot_mapping, key_slots, num_keys, num_sink, scale, softcap = inputs
+        layer = kv_cache.layer(layer_id)
+        return (held[0], self.spec.rms_norm_eps, self.norm_offset, held[1], held[2], cos, sin, layer.key,
+                layer.value, slot_mapping, self.spec.num_attention_heads, self.spec.num_kv_heads,
+                self.spec.head_dim, key_slots, num_keys, num_sink, scale, softcap)
+
+    def _whole_layer_inputs(self, layer_id, w: LayerWeights, x, step, rope, kv_cache, backend):
+        """What a step gives one layer on the one-call path (cos, sin, slot mapping, key slots,
+        key counts, sink counts, scale, softcap), or None where it must take the Python calls."""
         if (type(self).attention is not LlamaForCausalLM.attention or type(backend) is not TorchPagedAttention
                 or x.shape[0] >= DENSE_MIN_ROWS or w.qkv_bias is not None):
             return None
@@ -271,14 +291,50 @@ class LlamaForCausalLM:
         if (not self._rotates_in_one_call(w, layer, sink, x) or group.decode is None
                 or layer.key.dtype not in IN_PLACE_POOL_DTYPES):
             return None
-        held = self._whole_layer_weights(layer_id, w)
-        if held is None:
-            return None
         dk, params = group.decode, self.attention_params(layer_id, kv_cache)
-        return (held[0], self.spec.rms_norm_eps, self.norm_offset, held[1], held[2], cos, sin, layer.key,
-                layer.value, group.slot_mapping, self.spec.num_attention_heads, self.spec.num_kv_heads,
-                self.spec.head_dim, dk.key_slots, dk.num_keys, dk.num_sink_keys, params.scale,
+        return (cos, sin, group.slot_mapping, dk.key_slots, dk.num_keys, dk.num_sink_keys, params.scale,
                 params.softcap or 0.0)
+
+    def _whole_step(self, x, step, rope, kv_cache, backend):
+        """(ext's DecodeStack, this step's inputs to it) where every layer takes the one-call
+        path with the same inputs; the step's layers then run in one call and one parallel
+        region (the threads wake once per step instead of once per layer). None otherwise."""
+        if type(self).decoder_layer is not LlamaForCausalLM.decoder_layer or not self._is_fused_step(x):
+            return None
+        inputs = self._whole_layer_inputs(0, self.layers[0], x, step, rope, kv_cache, backend)
+        stack = None if inputs is None else self._decode_stack(kv_cache)
+        return None if stack is None else (stack, inputs)
+
+    def _decode_stack(self, kv_cache: PagedKVCache):
+        """ext's DecodeStack over every layer and its KV pool pair, built once per KV cache and
+        dropped with it; None where layers differ in what a step gives them (KV group, rotary
+        table, attention parameters) or one has no one-call path."""
+        key = id(kv_cache)
+        if key not in self._stacks:
+            self._stacks[key] = self._build_stack(kv_cache)
+            weakref.finalize(kv_cache, self._stacks.pop, key, None)
+        return self._stacks[key]
+
+    def _build_stack(self, kv_cache: PagedKVCache):
+        ext = kernels()
+        if not hasattr(ext, "DecodeStack"):
+            return None
+        layers = [kv_cache.layer(i) for i in range(len(self.layers))]
+        local = [self.rotary_local is not None and self.spec.rope_for_layer(i) is self.spec.rope_local
+                 for i in range(len(self.layers))]
+        params = [self.attention_params(i, kv_cache) for i in range(len(self.layers))]
+        held = [self._whole_layer_weights(i, w) for i, w in enumerate(self.layers)]
+        same = all(l.group_index == layers[0].group_index and f == local[0] and p == params[0]
+                   for l, f, p in zip(layers, local, params))
+        if (not same or any(h is None for h in held) or layers[0].fp8_dtype is not None
+                or any(w.qkv_bias is not None or w.q_norm is not None for w in self.layers)):
+            return None
+        spec = self.spec
+        return ext.DecodeStack([t for h in held for t in h[0]], [t for h in held for t in h[1]],
+                               [m for h in held for m in h[2]], [l.key for l in layers],
+                               [l.value for l in layers], spec.hidden_size, spec.intermediate_size,
+                               spec.num_attention_heads, spec.num_kv_heads, spec.head_dim,
+                               spec.rms_norm_eps, self.norm_offset)
 
     def _whole_layer_weights(self, layer_id: int, w: LayerWeights):
         """(norms, 12 weight tensors, 4 modes) for decode_layer, built once per layer; None

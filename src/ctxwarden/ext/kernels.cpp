@@ -89,6 +89,7 @@ inline void vstore(at::BFloat16* dst, V16 x) {
 // dot_block's register tile: 4 weight rows x 3 input rows x 2 halves = 24 of 32 zmm
 #define CW_TILE_N_DEFAULT 4
 #define CW_TILE_M_DEFAULT 3
+#define CW_TILE_N1_DEFAULT 4
 
 #elif defined(__AVX2__) && defined(__FMA__)
 #define CW_SIMD 1
@@ -138,7 +139,7 @@ inline V16 vexp_nonpositive(V16 x) { return {exp8_nonpositive(x.a), exp8_nonposi
 // two chains vs one: 79 / 127 / 406 vs 82 / 101 / 365; 1x6 and 1x7 with one chain spill.
 #define CW_TILE_N_DEFAULT 1
 #define CW_TILE_M_DEFAULT 4
-#define CW_ONE_CHAIN 1
+#define CW_TILE_N1_DEFAULT 1
 
 #else
 #define CW_SIMD 0
@@ -149,22 +150,67 @@ inline V16 vexp_nonpositive(V16 x) { return {exp8_nonpositive(x.a), exp8_nonposi
 #define CW_TILE_N CW_TILE_N_DEFAULT
 #define CW_TILE_M CW_TILE_M_DEFAULT
 #endif
-constexpr int kTileN = CW_TILE_N, kTileM = CW_TILE_M;
+#if !defined(CW_TILE_N1)  // weight rows per tile at one row of x
+#define CW_TILE_N1 CW_TILE_N1_DEFAULT
+#endif
+constexpr int kTileN = CW_TILE_N, kTileM = CW_TILE_M, kTileN1 = CW_TILE_N1;
+
+// The 32 codes of one q4 group as fp32 integers 0-15 in two vectors (elements 0-15, 16-31):
+// each byte widened to a 32-bit lane straight from memory, then its two nibbles taken
+// there (an and, a shift), which is 2 shuffles per group where widening the masked bytes
+// from a register took 6 (q4 at one row: 4.0 -> 2.5 ns a group, measured on the AVX2 EPYC).
+inline void codes_q4(const uint8_t* codes, V16& lo, V16& hi) {
+#if CW_SIMD == 2
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+  lo = {_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F)))};
+  hi = {_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4))};
+#else
+  const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
+  const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8)));
+  const __m256i m4 = _mm256_set1_epi32(0x0F);
+  lo = {_mm256_cvtepi32_ps(_mm256_and_si256(b0, m4)), _mm256_cvtepi32_ps(_mm256_and_si256(b1, m4))};
+  hi = {_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4))};
+#endif
+}
 
 // The 32 dequantized weights of one q4 group as two vectors (elements 0-15, 16-31).
 inline void dequant_q4(const uint8_t* codes, float scale, float zero, V16& lo, V16& hi) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
-  const __m128i mask = _mm_set1_epi8(0x0F);
+  codes_q4(codes, lo, hi);
   const V16 s = vset1(scale), z = vset1(zero);
-  lo = vfmadd(vfrom_u8(_mm_and_si128(bytes, mask)), s, z);
-  hi = vfmadd(vfrom_u8(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)), s, z);
+  lo = vfmadd(lo, s, z);
+  hi = vfmadd(hi, s, z);
 }
 
-inline void dequant_q8(const int8_t* codes, float scale, V16& lo, V16& hi) {
-  const V16 s = vset1(scale);
-  lo = vmul(vfrom_i8(codes), s);
-  hi = vmul(vfrom_i8(codes + 16), s);
+inline void codes_q8(const int8_t* codes, V16& lo, V16& hi) {
+#if CW_SIMD == 2
+  lo = vfrom_i8(codes);
+  hi = vfrom_i8(codes + 16);
+#else
+  auto widen8 = [](const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  };
+  lo = {widen8(codes), widen8(codes + 8)};
+  hi = {widen8(codes + 16), widen8(codes + 24)};
+#endif
 }
+
+// n fp16 values -> fp32 (F16C, eight at a time).
+inline void widen_halves(const at::Half* src, int64_t n, float* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  for (; i < n; ++i) dst[i] = half_to_float(src[i]);
+}
+
+inline V16 vbroadcast(const float* p) {
+#if CW_SIMD == 2
+  return {_mm512_set1_ps(*p)};
+#else
+  const __m256 v = _mm256_broadcast_ss(p);
+  return {v, v};
+#endif
+}
+
 
 #if !defined(CW_NATIVE_BF16_STORE)
 inline void vstore(at::BFloat16* dst, V16 x) {
@@ -175,47 +221,73 @@ inline void vstore(at::BFloat16* dst, V16 x) {
 #endif
 
 // y[m0..m0+R, n0..n0+NB] for R rows of x and NB weight rows: each group of each weight
-// row is dequantized once and used by R rows; the NB x R x 2 accumulators are independent
-// chains, so the FMAs pipeline instead of waiting on each other's latency.
-template <int NB, int R, typename Dequant>
-inline void dot_block(const float* x, int64_t k, int64_t m0, int64_t n0, int64_t groups,
-                      Dequant dequant, float* y, int64_t ldy) {
-  V16 acc_lo[NB][R], acc_hi[NB][R];
+// row is dequantized once (s * c + z, q8: z = 0; the fp16 scales widened a chunk at a
+// time, then broadcast from memory) and used by R rows. Every (weight row, x row) is
+// computed the same way in every tile shape, so a row's result does not depend on how many
+// rows came with it.
+constexpr int64_t kScaleChunk = 64;  // groups whose fp16 scales are widened at once
+
+// Not inlined: inlined into its callers, GCC spilled the R = 4 tile's accumulators to the
+// stack (q8 at 4 rows ran 1.2x slower than this function called as it is).
+template <int NB, int R, bool Zero, typename Codes>
+[[gnu::noinline]] void dot_block(const float* x, int64_t k, int64_t m0, int64_t n0, int64_t groups, Codes codes,
+                      const at::Half* sp, const at::Half* zp, float* y, int64_t ldy) {
+  // At one row of x a group's two scalar fp16 conversions are a fifth of its work, so the
+  // scales are widened eight at a time first; with R rows sharing them that costs more than
+  // it saves (a tile's setup against 18 groups' work at K = 576).
+  constexpr bool kWiden = R == 1;
+  constexpr int64_t kChunk = kWiden ? kScaleChunk : (int64_t{1} << 40);
+  V16 acc[NB][R];
   for (int b = 0; b < NB; ++b)
-    for (int r = 0; r < R; ++r) acc_lo[b][r] = acc_hi[b][r] = vzero();
-  for (int64_t g = 0; g < groups; ++g) {
-    V16 lo[NB], hi[NB];
-    for (int b = 0; b < NB; ++b) dequant(n0 + b, g, lo[b], hi[b]);
-    for (int r = 0; r < R; ++r) {
-      const float* xr = x + (m0 + r) * k + g * kGroup;
-      const V16 xl = vload(xr), xh = vload(xr + 16);
+    for (int r = 0; r < R; ++r) acc[b][r] = vzero();
+  alignas(64) float sc[NB][kWiden ? kScaleChunk : 1], zc[NB][kWiden && Zero ? kScaleChunk : 1];
+  for (int64_t g0 = 0; g0 < groups; g0 += kChunk) {
+    const int64_t ge = std::min(groups, g0 + kChunk);
+    if (kWiden)
       for (int b = 0; b < NB; ++b) {
-#if defined(CW_ONE_CHAIN)
-        acc_lo[b][r] = vfmadd(hi[b], xh, vfmadd(lo[b], xl, acc_lo[b][r]));
-#else
-        acc_lo[b][r] = vfmadd(lo[b], xl, acc_lo[b][r]);
-        acc_hi[b][r] = vfmadd(hi[b], xh, acc_hi[b][r]);
-#endif
+        widen_halves(sp + (n0 + b) * groups + g0, ge - g0, sc[b]);
+        if (Zero) widen_halves(zp + (n0 + b) * groups + g0, ge - g0, zc[b]);
+      }
+    for (int64_t g = g0; g < ge; ++g) {
+      V16 lo[NB], hi[NB];
+      for (int b = 0; b < NB; ++b) {
+        codes(n0 + b, g, lo[b], hi[b]);
+        const int64_t at = (n0 + b) * groups + g;
+        const V16 s = kWiden ? vbroadcast(sc[b] + (g - g0)) : vset1(half_to_float(sp[at]));
+        if (Zero) {
+          const V16 z = kWiden ? vbroadcast(zc[b] + (g - g0)) : vset1(half_to_float(zp[at]));
+          lo[b] = vfmadd(lo[b], s, z);
+          hi[b] = vfmadd(hi[b], s, z);
+        } else {
+          lo[b] = vmul(lo[b], s);
+          hi[b] = vmul(hi[b], s);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const float* xr = x + (m0 + r) * k + g * kGroup;
+        const V16 xl = vload(xr), xh = vload(xr + 16);
+        for (int b = 0; b < NB; ++b) acc[b][r] = vfmadd(hi[b], xh, vfmadd(lo[b], xl, acc[b][r]));
       }
     }
   }
   for (int b = 0; b < NB; ++b)
-    for (int r = 0; r < R; ++r)
-      y[(m0 + r) * ldy + n0 + b] = vsum(vadd(acc_lo[b][r], acc_hi[b][r]));
+    for (int r = 0; r < R; ++r) y[(m0 + r) * ldy + n0 + b] = vsum(acc[b][r]);
 }
 
 // Weight rows [n_begin, n_end) against every row of x.
-template <typename Dequant>
-inline void dot_range(const float* x, int64_t m, int64_t k, int64_t n_begin, int64_t n_end,
-                      int64_t groups, Dequant dequant, float* y, int64_t ldy) {
+template <bool Zero, typename Codes>
+inline void dot_range(const float* x, int64_t m, int64_t k, int64_t n_begin, int64_t n_end, int64_t groups,
+                      Codes codes, const at::Half* sp, const at::Half* zp, float* y, int64_t ldy) {
   int64_t n0 = n_begin;
+  if (m == 1)
+    for (; n0 + kTileN1 <= n_end; n0 += kTileN1) dot_block<kTileN1, 1, Zero>(x, k, 0, n0, groups, codes, sp, zp, y, ldy);
   for (; n0 + kTileN <= n_end; n0 += kTileN) {
     int64_t m0 = 0;
-    for (; m0 + kTileM <= m; m0 += kTileM) dot_block<kTileN, kTileM>(x, k, m0, n0, groups, dequant, y, ldy);
-    for (; m0 < m; ++m0) dot_block<kTileN, 1>(x, k, m0, n0, groups, dequant, y, ldy);
+    for (; m0 + kTileM <= m; m0 += kTileM) dot_block<kTileN, kTileM, Zero>(x, k, m0, n0, groups, codes, sp, zp, y, ldy);
+    for (; m0 < m; ++m0) dot_block<kTileN, 1, Zero>(x, k, m0, n0, groups, codes, sp, zp, y, ldy);
   }
   for (; n0 < n_end; ++n0)
-    for (int64_t m0 = 0; m0 < m; ++m0) dot_block<1, 1>(x, k, m0, n0, groups, dequant, y, ldy);
+    for (int64_t m0 = 0; m0 < m; ++m0) dot_block<1, 1, Zero>(x, k, m0, n0, groups, codes, sp, zp, y, ldy);
 }
 
 #endif  // CW_SIMD
@@ -253,11 +325,8 @@ void q4_rows(const float* xp, int64_t m, int64_t k, const uint8_t* cp, const at:
              const at::Half* zp, int64_t begin, int64_t end, float* yp, int64_t ldy) {
   const int64_t groups = k / kGroup;
 #if CW_SIMD
-  auto dq = [&](int64_t j, int64_t g, V16& lo, V16& hi) {
-    dequant_q4(cp + j * (k / 2) + g * 16, half_to_float(sp[j * groups + g]),
-               half_to_float(zp[j * groups + g]), lo, hi);
-  };
-  dot_range(xp, m, k, begin, end, groups, dq, yp, ldy);
+  auto codes = [cp, k](int64_t j, int64_t g, V16& lo, V16& hi) { codes_q4(cp + j * (k / 2) + g * 16, lo, hi); };
+  dot_range<true>(xp, m, k, begin, end, groups, codes, sp, zp, yp, ldy);
 #else
   for (int64_t j = begin; j < end; ++j) {
     const uint8_t* row = cp + j * (k / 2);
@@ -282,10 +351,8 @@ void q8_rows(const float* xp, int64_t m, int64_t k, const int8_t* cp, const at::
              int64_t begin, int64_t end, float* yp, int64_t ldy) {
   const int64_t groups = k / kGroup;
 #if CW_SIMD
-  auto dq = [&](int64_t j, int64_t g, V16& lo, V16& hi) {
-    dequant_q8(cp + j * k + g * kGroup, half_to_float(sp[j * groups + g]), lo, hi);
-  };
-  dot_range(xp, m, k, begin, end, groups, dq, yp, ldy);
+  auto codes = [cp, k](int64_t j, int64_t g, V16& lo, V16& hi) { codes_q8(cp + j * k + g * kGroup, lo, hi); };
+  dot_range<false>(xp, m, k, begin, end, groups, codes, sp, nullptr, yp, ldy);
 #else
   for (int64_t j = begin; j < end; ++j) {
     const int8_t* row = cp + j * k;

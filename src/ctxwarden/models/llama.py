@@ -216,6 +216,8 @@ class LlamaForCausalLM:
             for layer_id, w in enumerate(self.layers):
                 x = self.decoder_layer(layer_id, w, x, step, rope, kv_cache, backend)
         x = x.index_select(0, step.logits_indices)  # only the rows sampled: the lm_head is the largest matmul
+        if self._is_fused_step(x) and self.final_norm.dtype == torch.float32:  # one ext call, not ~6 torch ops
+            return kernels().rms_norm(x, self.final_norm, self.spec.rms_norm_eps, self.norm_offset)
         return self.norm(x, self.final_norm)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1546,7 +1546,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("codes"), py::arg("scale"), py::arg("zero") = py::none());
   m.def("dense_linear", &dense_linear, "x @ w^T for a plain fp32 weight at a few rows");
   m.def("decode_layer", &decode_layer, "one llama decode layer: norm, qkv, rope + KV write, attention, o, norm, MLP");
-  py::class_<DecodeStack>(m, "DecodeStack", "a model's llama decode layers, a whole step's in one call")
+  // module_local: two builds of these kernels can then load in one process (an in-process
+  // A/B of an old build against a new one; otherwise pybind11 refuses the second type)
+  py::class_<DecodeStack>(m, "DecodeStack", py::module_local(), "a model's llama decode layers, a whole step's in one call")
       .def(py::init<const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, const std::vector<int64_t>&,
                     const std::vector<at::Tensor>&, const std::vector<at::Tensor>&, int64_t, int64_t, int64_t,
                     int64_t, int64_t, double, double>(),

@@ -191,6 +191,40 @@ def test_fused_norm_rope_write_and_silu_match_torch():
     assert torch.equal(v_pool.view(-1, hkv, d)[slots], vr.reshape(t, hkv, d))
 
 
+def test_fused_ops_at_prefill_rows_match_torch_and_do_not_depend_on_the_split():
+    """A prefill's rows are split across threads (more than 64 rows) and silu_mul runs 16
+    lanes at a time with a scalar tail: each row equals the same op on that row alone, and
+    silu stays within a few ulp of float64 over a wide range of gates (+-90, 0, tiny)."""
+    torch.manual_seed(5)
+    t, hidden, inter, hq, hkv, d = 300, 96, 16 * 9 + 5, 3, 1, 32
+    gu = torch.randn(t, 2 * inter) * 8
+    gu[0, :6] = torch.tensor([90.0, -90.0, 0.0, -0.0, 1e-30, -1e-30])
+    out = ext.silu_mul(gu)
+    ref = F.silu(gu[:, :inter].double()) * gu[:, inter:].double()
+    assert ((out.double() - ref).abs() <= 4e-6 * ref.abs() + 1e-30).all()
+    assert torch.equal(torch.cat([ext.silu_mul(gu[i:i + 1].contiguous()) for i in range(t)]), out)
+    x, delta, w = torch.randn(t, hidden), torch.randn(t, hidden), torch.randn(hidden)
+    normed = ext.rms_norm(x, w, 1e-5, 0.0)
+    assert torch.allclose(normed, rms_norm(x, w, 1e-5), atol=1e-5)
+    assert torch.equal(torch.cat([ext.rms_norm(x[i:i + 1].contiguous(), w, 1e-5, 0.0) for i in range(t)]), normed)
+    x2 = x.clone()
+    added = ext.add_rms_norm(x2, delta, w, 1e-5, 0.0)
+    assert torch.equal(x2, x + delta) and torch.equal(added, ext.rms_norm(x + delta, w, 1e-5, 0.0))
+    qkv = torch.randn(t, (hq + 2 * hkv) * d)
+    angles = torch.randn(t, d // 2)
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    k_pool, v_pool = torch.zeros(t + 20, hkv, d), torch.zeros(t + 20, hkv, d)
+    slots = torch.randperm(t + 20)[:t]
+    q = ext.rope_write_kv(qkv, cos, sin, k_pool, v_pool, slots, hq, hkv, d)
+    qr, kr, vr = qkv.split([hq * d, hkv * d, hkv * d], -1)
+    assert torch.allclose(q, apply_rotary(qr.reshape(t, hq, d), cos, sin), atol=1e-5)
+    assert torch.allclose(k_pool[slots], apply_rotary(kr.reshape(t, hkv, d), cos, sin), atol=1e-5)
+    assert torch.equal(v_pool[slots], vr.reshape(t, hkv, d))
+    untouched = torch.ones(t + 20, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k_pool[untouched].any() and not v_pool[untouched].any()
+
+
 @pytest.mark.parametrize("weights", ["fp32", "auto", "int8", "auto-int8act"])
 def test_whole_step_and_layer_calls_are_bit_identical_to_the_python_calls(weights):
     """ext's one-call paths against the same layers as ~10 calls each from Python, on

@@ -36,8 +36,10 @@ from ctxwarden.runner.inputs import StepInputs
 from ctxwarden.runner.kv_cache import PagedKVCache
 
 
-# Steps of at most this many rows take the fused ext/ ops (decode, small batches).
-FUSED_MAX_ROWS = 64
+# Steps of at most this many rows take the fused ext/ ops. Since those split their rows
+# across threads and silu_mul is vectorized, prefill takes them too (a 2,048-token step of
+# SmolLM2: see docs/runner.md); the bound stays for measuring the torch ops against them.
+FUSED_MAX_ROWS = 1 << 62
 
 
 @dataclass
@@ -249,7 +251,9 @@ class LlamaForCausalLM:
 
         A decode step's per-layer cost is mostly the dispatch of ~40 tiny torch ops; the
         fused ones (one norm, one rotate-and-write, one attention, ...) do the same math
-        in ~10 calls. Long prefills keep the torch ops, which are vectorized and parallel.
+        in ~10 calls. A prefill's rows are split across threads by the same ops, which also
+        skip torch's temporaries (the rotated halves, the gathered cat, the pool's
+        index_copy).
         """
         return (x.shape[0] <= FUSED_MAX_ROWS and x.dtype == torch.float32 and kernels() is not None
                 and self.spec.hidden_act in ("silu", "swish") and not self.spec.qk_norm)

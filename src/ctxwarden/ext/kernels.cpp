@@ -1107,20 +1107,20 @@ void rope_write_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
     for (int64_t i = rd; i < d; ++i) store(i, src[i]);
   };
   at::parallel_for(0, t, kRowGrain, [&](int64_t r0, int64_t r1) {
-  for (int64_t r = r0; r < r1; ++r) {  // rows write distinct slots: any split is safe
-    const float *row = xp + r * width, *c = cp + r * rd, *s = sp + r * rd;
-    for (int64_t h = 0; h < hq; ++h) {
-      float* dst = qo + (r * hq + h) * d;
-      rotate(row + h * d, c, s, [&](int64_t i, float v) { dst[i] = v; });
+    for (int64_t r = r0; r < r1; ++r) {  // rows write distinct slots: any split is safe
+      const float *row = xp + r * width, *c = cp + r * rd, *s = sp + r * rd;
+      for (int64_t h = 0; h < hq; ++h) {
+        float* dst = qo + (r * hq + h) * d;
+        rotate(row + h * d, c, s, [&](int64_t i, float v) { dst[i] = v; });
+      }
+      for (int64_t h = 0; h < hkv; ++h) {
+        T* kd = kp + (slot[r] * hkv + h) * d;
+        T* vd = vp + (slot[r] * hkv + h) * d;
+        rotate(row + (hq + h) * d, c, s, [&](int64_t i, float v) { kd[i] = static_cast<T>(v); });
+        const float* vs = row + (hq + hkv + h) * d;
+        for (int64_t i = 0; i < d; ++i) vd[i] = static_cast<T>(vs[i]);
+      }
     }
-    for (int64_t h = 0; h < hkv; ++h) {
-      T* kd = kp + (slot[r] * hkv + h) * d;
-      T* vd = vp + (slot[r] * hkv + h) * d;
-      rotate(row + (hq + h) * d, c, s, [&](int64_t i, float v) { kd[i] = static_cast<T>(v); });
-      const float* vs = row + (hq + hkv + h) * d;
-      for (int64_t i = 0; i < d; ++i) vd[i] = static_cast<T>(vs[i]);
-    }
-  }
   });
 }
 

@@ -10,8 +10,8 @@ process and interleaved rounds:
 
 and causal attention of one layer (9 heads of 64, T queries over T keys) through torch's
 flash attention in fp32 and in bf16. It prints and writes the medians, the spread
-(min-max over rounds) and the CPU's flags, so a session can see whether bf16 prefill or a
-reordered fp32 weight pays on the machine it runs on (they did not on the AVX2 EPYC;
+(min-max over rounds) and the machine (cli/bench_run.py's `machine`), so a session can
+see whether bf16 prefill or a reordered fp32 weight pays on the machine it runs on (they did not on the AVX2 EPYC;
 see docs/runner.md).
 
 Run: .venv/bin/python benchmarks/prefill_gemm.py [--rows 64,512,2048] [--rounds 5]
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -31,13 +30,6 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (in, out) of one SmolLM2 layer
-
-
-def cpu_flags() -> list[str]:
-    """The AVX-512 / AMX flags of this CPU (empty on AVX2-only machines)."""
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
-    return sorted(f for f in set(flags) if f.startswith(("avx512", "amx")))
 
 
 def timed(fn, repeats: int = 3) -> float:
@@ -102,8 +94,9 @@ def main() -> int:
         print(f"{kind:9s} {rows:5d} {name:14s} {results[-1]['median_ms']:8.2f} ms "
               f"(spread {results[-1]['min_ms']:.2f}-{results[-1]['max_ms']:.2f})  "
               f"{results[-1]['speedup_vs_fp32']:.2f}x fp32")
-    out = {"machine": {"cpu": platform.processor() or platform.machine(), "flags": cpu_flags(),
-                       "threads": torch.get_num_threads(), "torch": torch.__version__},
+    from ctxwarden.cli.bench_run import machine
+
+    out = {"machine": {**machine(), "threads": torch.get_num_threads()},
            "rounds": args.rounds, "results": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")

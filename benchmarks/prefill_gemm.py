@@ -11,8 +11,8 @@ process and interleaved rounds:
 and causal attention of one layer (9 heads of 64, T queries over T keys) through torch's
 flash attention in fp32 and in bf16. It prints and writes the medians, the spread
 (min-max over rounds) and the machine (cli/bench_run.py's `machine`), so a session can
-see whether bf16 prefill or a reordered fp32 weight pays on the machine it runs on (they did not on the AVX2 EPYC;
-see docs/runner.md).
+see whether bf16 prefill or a reordered fp32 weight pays on the machine it runs on
+(neither did on the AVX2 EPYC; see docs/runner.md).
 
 Run: .venv/bin/python benchmarks/prefill_gemm.py [--rows 64,512,2048] [--rounds 5]
 """

@@ -21,11 +21,11 @@ def test_packed_linear_matches_f_linear(rows):
     assert linear(x, packed).shape == (rows, 96)
 
 
-def test_bf16_weights_are_packed_where_onednn_has_bf16():
+def test_bf16_weights_of_a_bf16_model_are_packed_where_onednn_has_bf16():
     torch.manual_seed(2)
     w, x = torch.randn(64, 32, dtype=torch.bfloat16), torch.randn(5, 32)
-    packed = pack_linear(w)
-    assert packed.is_packed == can_pack(w)
+    packed = pack_linear(w, dense_dtype=torch.bfloat16)
+    assert packed.is_packed == can_pack(w, torch.bfloat16)
     got = linear(x, packed)  # fp32 in, fp32 out; the matmul itself in bf16
     assert got.dtype == torch.float32
     assert torch.allclose(got, F.linear(x.bfloat16(), w).float(), atol=2e-2, rtol=2e-2)

@@ -50,6 +50,28 @@ def test_dense_fp32_kernel_matches_f_linear(k, rows):
     assert torch.allclose(ext.dense_linear(x, w), ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("k", [43, 96, 576])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 13, 48, 49, 300])
+def test_bf16_weight_is_multiplied_in_fp32_at_every_step_size(k, rows):
+    """bf16 storage, fp32 compute: the kernel (up to 48 rows) and the widened weight's GEMM
+    (above) both give the bf16-rounded weight's fp32 product, not a bf16 matmul's."""
+    torch.manual_seed(k * rows + 1)
+    w, x = torch.randn(97, k).bfloat16(), torch.randn(rows, k)
+    lw = pack_linear(w)
+    assert lw.dense_kernel == (ext.simd_level() != "none") and not lw.is_packed
+    ref = F.linear(x.double(), w.double()).float()
+    got = linear(x, lw)
+    assert got.dtype == torch.float32 and got.shape == (rows, 97)
+    if rows == 0:
+        return
+    tol = 1e-6 * max(1.0, ref.abs().max().item())  # fp32 summation over K (measured <= 5e-7)
+    assert (got - ref).abs().max() <= tol
+    if rows <= 48:
+        assert (ext.dense_linear(x, w) - ref).abs().max() <= tol
+    bf16_matmul = F.linear(x.bfloat16(), w).float()  # what a bf16 GEMM gives: far coarser
+    assert (bf16_matmul - ref).abs().max() > 100 * (got - ref).abs().max()
+
+
 def _rounded_per_group(x: torch.Tensor) -> torch.Tensor:
     """x with each group of 32 rounded as the int8-activation kernels round it."""
     g = x.reshape(x.shape[0], -1, 32)
@@ -225,7 +247,7 @@ def test_fused_ops_at_prefill_rows_match_torch_and_do_not_depend_on_the_split():
     assert not k_pool[untouched].any() and not v_pool[untouched].any()
 
 
-@pytest.mark.parametrize("weights", ["fp32", "auto", "int8", "auto-int8act"])
+@pytest.mark.parametrize("weights", ["fp32", "bf16", "auto", "int8", "auto-int8act"])
 def test_whole_step_and_layer_calls_are_bit_identical_to_the_python_calls(weights):
     """ext's one-call paths against the same layers as ~10 calls each from Python, on
     SmolLM2's weights in each projection mode: a batched decode step through DecodeStack

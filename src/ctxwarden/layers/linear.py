@@ -15,6 +15,11 @@ Three layouts (`LinearWeight.kind`):
   projections, passive threads: 17.4 vs 20.8 ms; 2-16 rows level, 32-48 rows 3-6%
   slower), and longer steps `F.linear` (MKL), which on that machine is 0.92x the
   reordered weight's time at 512 and 2,048 rows and 1.1-1.17x at 64-128.
+  A bf16 weight in an fp32 model (weights="bf16", dtype fp32) stays plain too: bf16
+  storage, fp32 compute. `dense_linear` widens it in registers at decode (half the bytes
+  of fp32 streamed, the same fp32 arithmetic), and longer steps widen it to fp32 for one
+  MKL GEMM, so every step size computes the bf16-rounded weight in fp32 and a recompute
+  after preemption reproduces the KV that decode steps wrote (see docs/runner.md).
 - "q4" / "q8": group-quantized codes (layers/quant.py) for the ext/ kernels, which take
   fp32 activations and reproduce the dequantized fp32 weight exactly. Steps of many rows
   (prefill) dequantize the weight for the call and run one dense GEMM instead: the
@@ -53,7 +58,7 @@ class LinearWeight:
     in_features: int
     quant: QuantizedWeight | None = None
     dense_dtype: torch.dtype = torch.float32  # dtype a quantized weight is expanded to
-    dense_kernel: bool = False  # plain fp32: ext's dense_linear at few rows
+    dense_kernel: bool = False  # plain fp32 / bf16, fp32 compute: ext's dense_linear at few rows
 
     @property
     def kind(self) -> str:
@@ -68,10 +73,11 @@ class LinearWeight:
         return self.quant.nbytes if self.quant is not None else self.weight.nbytes
 
 
-def can_pack(weight: torch.Tensor) -> bool:
-    """Whether `pack_linear` would reorder this weight (bf16 on a CPU with oneDNN; fp32 too
-    when the ext/ kernels have no vector path, see the module docstring)."""
-    if weight.dtype == torch.float32 and has_vector_kernels():
+def can_pack(weight: torch.Tensor, dense_dtype: torch.dtype = torch.float32) -> bool:
+    """Whether `pack_linear` would reorder this weight for oneDNN: a bf16 weight where oneDNN
+    has bf16, an fp32 one where the ext/ kernels have no vector path; neither when the
+    ext/ kernels multiply it in fp32 (an fp32 weight, or a bf16 one in an fp32 model)."""
+    if (weight.dtype == torch.float32 or dense_dtype == torch.float32) and _has_dense_kernel(weight):
         return False
     return (weight.device.type == "cpu" and weight.dim() == 2
             and weight.dtype in (torch.float32, torch.bfloat16)
@@ -79,14 +85,20 @@ def can_pack(weight: torch.Tensor) -> bool:
             and (weight.dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()))
 
 
+def _has_dense_kernel(weight: torch.Tensor) -> bool:
+    """Whether ext's dense_linear takes this weight (fp32 or bf16 [N, K], vector build)."""
+    return (weight.dtype in (torch.float32, torch.bfloat16) and weight.dim() == 2
+            and weight.device.type == "cpu" and has_vector_kernels())
+
+
 def pack_linear(weight: torch.Tensor | QuantizedWeight, enabled: bool = True,
                 dense_dtype: torch.dtype = torch.float32) -> LinearWeight:
     """Prepare `weight` [out, in] for `linear` (reordered for oneDNN where possible).
 
-    A quantized weight stays quantized when the ext/ kernels are built with a vector path
-    (expanded to `dense_dtype` for prefill-sized steps); without them it is dequantized
-    here to fp32 and takes the dense path: the dequantized model's numbers, at dense speed
-    and size.
+    `dense_dtype` is the model's compute dtype. A quantized weight stays quantized when
+    the ext/ kernels are built with a vector path (expanded to `dense_dtype` for
+    prefill-sized steps); without them it is dequantized here to fp32 and takes the dense
+    path: the dequantized model's numbers, at dense speed and size.
     """
     if isinstance(weight, QuantizedWeight):
         out_features, in_features = weight.shape
@@ -94,10 +106,10 @@ def pack_linear(weight: torch.Tensor | QuantizedWeight, enabled: bool = True,
             return LinearWeight(weight.codes, False, out_features, in_features, weight, dense_dtype)
         weight = dequantize(weight)
     out_features, in_features = weight.shape
-    if enabled and can_pack(weight):
+    if enabled and can_pack(weight, dense_dtype):
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
         return LinearWeight(packed, True, out_features, in_features)
-    if weight.dtype == torch.float32 and weight.dim() == 2 and has_vector_kernels():
+    if _has_dense_kernel(weight) and (weight.dtype == torch.float32 or dense_dtype == torch.float32):
         return LinearWeight(weight.contiguous(), False, out_features, in_features, dense_kernel=True)
     return LinearWeight(weight, False, out_features, in_features)
 
@@ -115,9 +127,11 @@ def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
                 return (kernels().q4_linear(x, q.codes, q.scale, q.zero) if q.kind == Q4
                         else kernels().q8_linear(x, q.codes, q.scale))
         return _quantized_linear(x, w)
-    if (w.dense_kernel and x.dtype is torch.float32 and x.dim() == 2 and x.shape[0] <= DENSE_MIN_ROWS
-            and x.is_contiguous()):
-        return kernels().dense_linear(x, w.weight)
+    if w.dense_kernel and x.dtype is torch.float32:
+        if x.dim() == 2 and x.shape[0] <= DENSE_MIN_ROWS and x.is_contiguous():
+            return kernels().dense_linear(x, w.weight)
+        if w.weight.dtype is torch.bfloat16:  # bf16 storage, fp32 compute (see the docstring)
+            return F.linear(x, w.weight.float())
     if w.is_packed:
         return _bucketed(x, w.weight.dtype, w.out_features, lambda rows: torch.ops.mkldnn._linear_pointwise(
             rows, w.weight, None, "none", [], ""))
@@ -166,14 +180,14 @@ def _quantized_linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
 def decode_kernel(w: LinearWeight) -> tuple[int, list[torch.Tensor]] | None:
     """The ext/ kernel `linear` runs for `w` at a decode step, as ext's decode_layer names
     it: (mode, 3 tensors; unused slots empty), or None where there is none (a reordered
-    weight). Modes: 0 dense_linear, 1 q4_linear, 2 q8_linear, 3 / 4 quantized_linear_int8
-    on q4 / q8 codes."""
+    weight). Modes: 0 / 5 dense_linear on an fp32 / bf16 weight, 1 q4_linear, 2 q8_linear,
+    3 / 4 quantized_linear_int8 on q4 / q8 codes."""
     q, empty = w.quant, torch.empty(0)
     if q is not None:
         mode = (3 if q.kind == Q4 else 4) if q.int8_activations else (1 if q.kind == Q4 else 2)
         return mode, [q.codes, q.scale, q.zero if q.zero is not None else empty]
     if w.dense_kernel:
-        return 0, [w.weight, empty, empty]
+        return (0 if w.weight.dtype == torch.float32 else 5), [w.weight, empty, empty]
     return None
 
 

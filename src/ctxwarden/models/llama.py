@@ -80,11 +80,12 @@ class LlamaForCausalLM:
         dequantize only the rows asked for, and the tied lm_head uses the same codes.
         """
         self.spec, self.embed_tokens, self.layers = spec, embed, layers
-        # Where pack_linear reorders (bf16; fp32 without ext/'s vector path) a tied lm_head
-        # becomes a copy of vocab x hidden (the lookup needs plain rows); a plain fp32 one
-        # with ext/ is the embedding's own tensor, multiplied by dense_linear at decode.
-        self.final_norm, self.lm_head = final_norm, pack_linear(lm_head)
+        # Where pack_linear reorders (bf16 in a bf16 model; fp32 without ext/'s vector path) a
+        # tied lm_head becomes a copy of vocab x hidden (the lookup needs plain rows); a plain
+        # fp32 or bf16 one with ext/ is the embedding's own tensor, multiplied by dense_linear
+        # at decode.
         self.dtype = dtype or final_norm.dtype
+        self.final_norm, self.lm_head = final_norm, pack_linear(lm_head, dense_dtype=self.dtype)
         self._whole_layer_cache: dict[int, tuple | None] = {}  # layer id -> decode_layer's weights
         self._stacks: dict[int, object | None] = {}  # id(kv_cache) -> ext DecodeStack, while it lives
         self.act = activation(spec.hidden_act)

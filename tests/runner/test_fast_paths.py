@@ -65,3 +65,52 @@ def test_prefix_then_causal_matches_masked_sdpa(num_cached):
                                          v.transpose(0, 1)[None], attn_mask=mask, scale=0.3,
                                          enable_gqa=True)[0].transpose(0, 1)
     assert torch.allclose(_prefix_then_causal(q, k, v, 0.3), ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["mkl", "onednn"])
+@pytest.mark.parametrize("rows", [49, 64, 130])
+def test_fp32_prefill_gemm_matches_fp64_on_either_backend(monkeypatch, backend, rows):
+    """Prefill-sized fp32 GEMMs take MKL or oneDNN (measured at first use); both are fp32
+    products of the same weight, within fp32 rounding of the fp64 reference."""
+    from ctxwarden.layers import linear as linear_module
+
+    monkeypatch.setenv("CTXWARDEN_FP32_GEMM", backend)
+    linear_module.fp32_gemm_backend.cache_clear()
+    try:
+        torch.manual_seed(rows)
+        w, x = torch.randn(96, 576), torch.randn(rows, 576)
+        expected = "onednn" if backend == "onednn" and torch.backends.mkldnn.is_available() else "mkl"
+        assert linear_module.fp32_gemm_backend() == (expected, None)
+        ref = F.linear(x.double(), w.double())
+        for got in (linear(x, pack_linear(w)), linear_module.fp32_gemm(x, w),
+                    linear(x[None], pack_linear(w))[0]):  # 3-D input: the general path
+            assert got.dtype == torch.float32 and got.shape == (rows, 96)
+            assert (got.double() - ref).abs().max() <= 1e-6 * ref.abs().max()
+    finally:
+        linear_module.fp32_gemm_backend.cache_clear()
+
+
+def test_fp32_gemm_backend_refuses_an_unknown_name(monkeypatch):
+    from ctxwarden.layers import linear as linear_module
+
+    monkeypatch.setenv("CTXWARDEN_FP32_GEMM", "cublas")
+    linear_module.fp32_gemm_backend.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="CTXWARDEN_FP32_GEMM must be 'mkl' or 'onednn', got 'cublas'"):
+            linear_module.fp32_gemm_backend()
+    finally:
+        linear_module.fp32_gemm_backend.cache_clear()
+
+
+def test_fp32_gemm_backend_measures_when_not_forced(monkeypatch):
+    from ctxwarden.layers import linear as linear_module
+
+    monkeypatch.delenv("CTXWARDEN_FP32_GEMM", raising=False)
+    linear_module.fp32_gemm_backend.cache_clear()
+    try:
+        name, ratio = linear_module.fp32_gemm_backend()
+        assert name in ("mkl", "onednn")
+        if torch.backends.mkldnn.is_available():
+            assert ratio > 0 and (name == "onednn") == (ratio > 1 / 0.9)
+    finally:
+        linear_module.fp32_gemm_backend.cache_clear()

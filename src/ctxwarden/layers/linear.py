@@ -30,11 +30,25 @@ Three layouts (`LinearWeight.kind`):
   batching and recompute after preemption reproduce one another exactly.
 
 The reordered tensor replaces the plain one (no second copy is kept).
+
+Prefill-sized fp32 GEMMs (more than DENSE_MIN_ROWS rows: a plain fp32 weight, a bf16 one
+widened for the call, a quantized one expanded to fp32) run through `fp32_gemm`, which
+takes MKL (`F.linear`, what transformers runs) or oneDNN on the plain weight, whichever
+`fp32_gemm_backend` measured faster on this CPU when the process first needed one. The
+two disagree by fp32 summation order only (4e-6 on a [100, 576] x [576, 960] product of
+unit-scale values). Measured on a Zen 5 EPYC (benchmarks/prefill_gemm.py, 2026-12-04):
+oneDNN 2.07-2.26x MKL at 64-2,048 rows, a weight reordered ahead 2.25-2.61x (not kept:
+it would be a second copy beside the decode kernels' plain one); on the AVX2 EPYC MKL
+won by 1.09x. CTXWARDEN_FP32_GEMM=mkl|onednn skips the measurement.
 """
 
 from __future__ import annotations
 
+import os
+import statistics
+import time
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -130,14 +144,61 @@ def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
     if w.dense_kernel and x.dtype is torch.float32:
         if x.dim() == 2 and x.shape[0] <= DENSE_MIN_ROWS and x.is_contiguous():
             return kernels().dense_linear(x, w.weight)
-        if w.weight.dtype is torch.bfloat16:  # bf16 storage, fp32 compute (see the docstring)
-            return F.linear(x, w.weight.float())
+        # bf16 storage, fp32 compute (see the docstring)
+        return fp32_gemm(x, w.weight.float() if w.weight.dtype is torch.bfloat16 else w.weight)
     if w.is_packed:
         return _bucketed(x, w.weight.dtype, w.out_features, lambda rows: torch.ops.mkldnn._linear_pointwise(
             rows, w.weight, None, "none", [], ""))
     if x.dtype != w.weight.dtype:
         return F.linear(x.to(w.weight.dtype), w.weight).to(x.dtype)
     return F.linear(x, w.weight)
+
+
+def fp32_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., in] @ weight.T for an fp32 x and a plain fp32 weight [out, in], on the
+    faster of MKL and oneDNN here (`fp32_gemm_backend`); for prefill-sized steps."""
+    if x.numel() and fp32_gemm_backend()[0] == "onednn":
+        return _bucketed(x, torch.float32, weight.shape[0], lambda rows: torch.ops.mkldnn._linear_pointwise(
+            rows.contiguous(), weight, None, "none", [], ""))
+    return F.linear(x, weight)
+
+
+@lru_cache(maxsize=1)
+def fp32_gemm_backend() -> tuple[str, float | None]:
+    """('mkl' | 'onednn', oneDNN's speed over MKL as measured, or None when not measured).
+
+    Times both on one SmolLM2-sized product ([256, 576] x [576, 1536]), interleaved, 5
+    rounds of 2 calls after a warm-up (~40 ms, once per process), and takes oneDNN only
+    when its median is under 0.9x MKL's: on a near tie the status quo (MKL, the peer's
+    path) stays. $CTXWARDEN_FP32_GEMM (mkl / onednn) decides without measuring.
+    """
+    forced = os.environ.get("CTXWARDEN_FP32_GEMM", "").strip().lower()
+    if forced in ("mkl", "onednn"):
+        return ("onednn" if forced == "onednn" and torch.backends.mkldnn.is_available() else "mkl"), None
+    if forced:
+        raise ValueError(f"CTXWARDEN_FP32_GEMM must be 'mkl' or 'onednn', got {forced!r}; unset it to "
+                         "let ctxwarden measure which is faster on this CPU")
+    if not torch.backends.mkldnn.is_available():
+        return "mkl", None
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(256, 576, generator=g), torch.randn(1536, 576, generator=g)
+
+    def onednn():
+        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+    def mkl():
+        return F.linear(x, w)
+
+    times = {onednn: [], mkl: []}
+    for fn in times:
+        fn()
+    for _ in range(5):
+        for fn, samples in times.items():
+            start = time.perf_counter()
+            fn(), fn()
+            samples.append(time.perf_counter() - start)
+    ratio = statistics.median(times[mkl]) / statistics.median(times[onednn])
+    return ("onednn" if ratio > 1 / 0.9 else "mkl"), ratio
 
 
 # oneDNN caches one primitive (with its scratch memory) per distinct input shape, up to
@@ -169,6 +230,8 @@ def _quantized_linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
         return out.to(x.dtype).reshape(*x.shape[:-1], w.out_features)
     if rows.shape[0] >= DENSE_MIN_ROWS:
         dense = dense_weight(w)
+        if dense.dtype is torch.float32 and x.dtype is torch.float32:
+            return fp32_gemm(x, dense)
         return _bucketed(x, dense.dtype, w.out_features, lambda r: F.linear(r, dense))
     rows = rows.float().contiguous()
     ext = kernels()

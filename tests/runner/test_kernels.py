@@ -289,3 +289,48 @@ def test_whole_step_and_layer_calls_are_bit_identical_to_the_python_calls(weight
         assert torch.equal(results[0][0], logits)
         assert all(torch.equal(a, b) for a, b in zip(results[0][1], kv))
     assert not torch.equal(results[0][1][0], pools[0])  # the step wrote its keys
+
+
+def _attention_reference(q, k, v, q0, k0, window, scale):
+    """fp64 softmax attention under the runner's masking rule (no sinks); rows that see no
+    key are zeros."""
+    n, m, group = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
+    qp, kp = torch.arange(q0, q0 + n)[:, None], torch.arange(k0, k0 + m)[None]
+    ok = (kp <= qp) & ((qp - kp < window) if window else torch.ones_like(kp, dtype=torch.bool))
+    kk, vv = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = torch.einsum("nhd,mhd->hnm", q.double(), kk) * scale
+    p = torch.softmax(scores.masked_fill(~ok[None], float("-inf")), -1).nan_to_num(0.0)
+    return torch.einsum("hnm,mhd->nhd", p, vv).float()
+
+
+@pytest.mark.parametrize("n,m,hq,hkv,d,q0,k0,window", [
+    (5, 5, 9, 3, 64, 0, 0, 0),          # a short prompt, SmolLM2's heads
+    (100, 300, 9, 3, 64, 200, 0, 0),    # a later chunk over cached keys
+    (77, 77, 4, 4, 32, 0, 0, 0),        # MHA, a tail past every tile
+    (130, 200, 8, 2, 128, 70, 0, 50),   # a sliding window inside the chunk
+    (50, 120, 6, 3, 80, 100, 30, 20),   # keys from a window's first kept block; d = 5 x 16
+    (3, 1000, 6, 2, 64, 997, 0, 0),     # a few queries over many keys
+    (1, 1, 2, 1, 16, 0, 0, 0),          # one token
+])
+def test_prefill_flash_attention_matches_softmax_attention(n, m, hq, hkv, d, q0, k0, window):
+    if ext.simd_level() == "none":
+        pytest.skip("prefill_attention needs a vector build")
+    torch.manual_seed(n + m)
+    q, k, v = torch.randn(n, hq, d), torch.randn(m, hkv, d), torch.randn(m, hkv, d)
+    got = ext.prefill_attention(q, k, v, q0, k0, window, d ** -0.5)
+    ref = _attention_reference(q, k, v, q0, k0, window, d ** -0.5)
+    assert got.shape == (n, hq, d)
+    assert (got - ref).abs().max() < 1e-5  # measured <= 1.3e-6
+    if window == 0 and q0 == m - n and k0 == 0:  # what torch's SDPA computes, for the record
+        sdpa = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                              v.transpose(0, 1)[None], scale=d ** -0.5, enable_gqa=True,
+                                              attn_mask=(torch.arange(m)[None] <= torch.arange(q0, q0 + n)[:, None]))
+        assert (got - sdpa[0].transpose(0, 1)).abs().max() < 1e-5
+
+
+def test_prefill_flash_attention_refuses_what_it_cannot_run():
+    q, k = torch.randn(4, 2, 20), torch.randn(4, 1, 20)
+    with pytest.raises(RuntimeError, match="head_dim must be a multiple of 16"):
+        ext.prefill_attention(q, k, k.clone(), 0, 0, 0, 0.2)
+    with pytest.raises(RuntimeError, match="fp32"):
+        ext.prefill_attention(q[..., :16].bfloat16(), k[..., :16], k[..., :16], 0, 0, 0, 0.2)

@@ -1617,6 +1617,228 @@ void decode_layer(at::Tensor& x, const std::vector<at::Tensor>& norms, double ep
 // the quantized linears 7.5-13x slower than a dense fp32 matvec at one row, 40x at 16 rows).
 std::string simd_level() { return CW_SIMD == 2 ? "avx512" : CW_SIMD == 1 ? "avx2" : "none"; }
 
+// ---- prefill attention: flash attention over a chunk's keys ------------------------------
+// torch's CPU flash attention ran SmolLM2's causal prefill attention (9 heads of 64, 3 KV
+// heads) at ~110 GFLOP/s on a Zen 5 EPYC whose GEMMs reach ~400: its tiles are small
+// GEMM calls with the softmax between. Here one task is (KV head, block of queries): the
+// group's query heads of those queries share every K/V block they read; a key block
+// (64 keys) is transposed once into a buffer and scored by a register tile (4 query rows
+// x 64 keys on AVX-512: 16 accumulators, per head dimension 4 key loads and 4 query
+// broadcasts for 16 FMAs), then an online softmax per row (running max and sum, the
+// output rescaled when the max grows) and P x V by a 4 rows x 64 values tile. Masking
+// is the runner's rule without sinks: key k visible to query p when k <= p and
+// (no window or p - k < window); a block wholly visible takes no mask. fp32 throughout:
+// softmax of the same scores as SDPA, in another summation order (1e-6 of its output).
+namespace {
+
+#if CW_SIMD
+constexpr int64_t kFaKeys = 64;  // keys per block: 4 V16
+// Query rows per register tile (-DCW_FA_ROWS=.. to measure). AVX-512: 6 rows x 4 V16 = 24
+// accumulators and 4 key vectors of 32 zmm; measured on the Zen 5 EPYC (9 heads of 64, 3
+// KV heads, causal, 2,048 / 4,096 tokens, medians of 7) 15.6 / 64.6 ms, against 23.3 /
+// 94.2 at 4 rows, 19.8 / 73.9 at 7 (spills) and torch's flash attention 36.1 / 144.5.
+#if !defined(CW_FA_ROWS)
+#if CW_SIMD == 2
+#define CW_FA_ROWS 6
+#else
+#define CW_FA_ROWS 1
+#endif
+#endif
+constexpr int kFaRows = CW_FA_ROWS;
+#if CW_SIMD == 2
+inline V16 vmax(V16 a, V16 b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline float vhmax(V16 a) { return _mm512_reduce_max_ps(a.v); }
+#else
+inline V16 vmax(V16 a, V16 b) { return {_mm256_max_ps(a.a, b.a), _mm256_max_ps(a.b, b.b)}; }
+inline float vhmax(V16 a) {
+  const __m256 s = _mm256_max_ps(a.a, a.b);
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+#endif
+
+struct FlashArgs {
+  int64_t n, m, hq, hkv, d, g;  // queries, keys, heads, head dim, query heads per KV head
+  int64_t q0, k0, window;        // first query / key position, window (0: none)
+  float scale;
+};
+
+// S[r, 0..64) = Q[r] . Kt[:, 0..64) for RT rows from r0 (Kt: [d][64], Q pre-scaled).
+template <int RT, int CT>
+inline void fa_scores(const float* qb, const float* kt, int64_t d, int64_t r0, float* s) {
+  V16 acc[RT][CT];
+  for (int r = 0; r < RT; ++r)
+    for (int c = 0; c < CT; ++c) acc[r][c] = vzero();
+  for (int64_t dd = 0; dd < d; ++dd) {
+    V16 kv[CT];
+    for (int c = 0; c < CT; ++c) kv[c] = vload(kt + dd * kFaKeys + c * 16);
+    for (int r = 0; r < RT; ++r) {
+      const V16 qv = vbroadcast(qb + (r0 + r) * d + dd);
+      for (int c = 0; c < CT; ++c) acc[r][c] = vfmadd(qv, kv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int c = 0; c < CT; ++c) vstore(s + (r0 + r) * kFaKeys + c * 16, acc[r][c]);
+}
+
+// O[r, c0*16 .. (c0+CT)*16) += P[r, 0..nb) V[0..nb) for RT rows from r0 (V rows strided).
+template <int RT, int CT>
+inline void fa_values(const float* p, const float* v, int64_t vstride, int64_t nb, int64_t r0, int64_t c0,
+                      float* o, int64_t d) {
+  V16 acc[RT][CT];
+  for (int r = 0; r < RT; ++r)
+    for (int c = 0; c < CT; ++c) acc[r][c] = vload(o + (r0 + r) * d + (c0 + c) * 16);
+  for (int64_t j = 0; j < nb; ++j) {
+    V16 vv[CT];
+    for (int c = 0; c < CT; ++c) vv[c] = vload(v + j * vstride + (c0 + c) * 16);
+    for (int r = 0; r < RT; ++r) {
+      const V16 pv = vbroadcast(p + (r0 + r) * kFaKeys + j);
+      for (int c = 0; c < CT; ++c) acc[r][c] = vfmadd(pv, vv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int c = 0; c < CT; ++c) vstore(o + (r0 + r) * d + (c0 + c) * 16, acc[r][c]);
+}
+
+struct FlashScratch {
+  std::vector<float> qb, o, s, kt, mx, sum;
+  std::vector<int64_t> lo, hi;
+};
+
+// One task: KV head h, queries [i0, i1).
+void flash_task(const FlashArgs& a, const float* q, const float* k, const float* v, float* out, int64_t h,
+                int64_t i0, int64_t i1, FlashScratch& w) {
+  const int64_t g = a.g, d = a.d, rows = (i1 - i0) * g, kstride = a.hkv * d;
+  w.qb.resize(rows * d);
+  w.o.assign(rows * d, 0.f);
+  w.s.resize(rows * kFaKeys);
+  w.kt.resize(d * kFaKeys);
+  w.mx.assign(rows, -INFINITY);
+  w.sum.assign(rows, 0.f);
+  w.lo.resize(rows);
+  w.hi.resize(rows);
+  for (int64_t i = i0; i < i1; ++i)
+    for (int64_t gi = 0; gi < g; ++gi) {
+      const int64_t r = (i - i0) * g + gi;
+      const float* src = q + (i * a.hq + h * g + gi) * d;
+      for (int64_t dd = 0; dd < d; ++dd) w.qb[r * d + dd] = src[dd] * a.scale;
+      const int64_t p = a.q0 + i;  // visible key indices [lo, hi)
+      w.hi[r] = std::min(a.m, p - a.k0 + 1);
+      w.lo[r] = a.window > 0 ? std::max<int64_t>(0, p - a.k0 - a.window + 1) : 0;
+    }
+  const int64_t j_lo = w.lo[0], j_hi = w.hi[rows - 1];  // union over the task's rows
+  for (int64_t j0 = j_lo; j0 < j_hi; j0 += kFaKeys) {
+    const int64_t nb = std::min(kFaKeys, j_hi - j0);
+    for (int64_t jj = 0; jj < kFaKeys; ++jj) {
+      const float* kr = k + (j0 + jj) * kstride + h * d;
+      for (int64_t dd = 0; dd < d; ++dd) w.kt[dd * kFaKeys + jj] = jj < nb ? kr[dd] : 0.f;
+    }
+    int64_t r0 = 0;
+    for (; r0 + kFaRows <= rows; r0 += kFaRows) fa_scores<kFaRows, 4>(w.qb.data(), w.kt.data(), d, r0, w.s.data());
+    for (; r0 < rows; ++r0) fa_scores<1, 4>(w.qb.data(), w.kt.data(), d, r0, w.s.data());
+    for (int64_t r = 0; r < rows; ++r) {
+      float* sr = w.s.data() + r * kFaKeys;
+      const int64_t lo = std::max<int64_t>(0, w.lo[r] - j0), hi = std::min(nb, w.hi[r] - j0);
+      const bool masked = lo > 0 || hi < kFaKeys;
+      if (hi <= lo) {  // nothing visible to this row here
+        std::fill(sr, sr + kFaKeys, 0.f);
+        continue;
+      }
+      if (masked) {
+        for (int64_t jj = 0; jj < lo; ++jj) sr[jj] = -INFINITY;
+        for (int64_t jj = hi; jj < kFaKeys; ++jj) sr[jj] = -INFINITY;
+      }
+      V16 m4 = vmax(vmax(vload(sr), vload(sr + 16)), vmax(vload(sr + 32), vload(sr + 48)));
+      const float top = std::max(w.mx[r], vhmax(m4));
+      const float alpha = std::exp(w.mx[r] - top);  // 0 on the row's first visible block
+      w.mx[r] = top;
+      const V16 t16 = vset1(top);
+      V16 acc = vzero();
+      for (int c = 0; c < 4; ++c) {
+        const V16 e = vexp_nonpositive(vsub(vload(sr + c * 16), t16));
+        vstore(sr + c * 16, e);
+      }
+      if (masked) {  // e^-inf is not exactly 0 in vexp_nonpositive's clamped range
+        for (int64_t jj = 0; jj < lo; ++jj) sr[jj] = 0.f;
+        for (int64_t jj = hi; jj < kFaKeys; ++jj) sr[jj] = 0.f;
+      }
+      for (int c = 0; c < 4; ++c) acc = vadd(acc, vload(sr + c * 16));
+      w.sum[r] = w.sum[r] * alpha + vsum(acc);
+      if (alpha != 1.f) {
+        float* orow = w.o.data() + r * d;
+        const V16 a16 = vset1(alpha);
+        for (int64_t c = 0; c < d; c += 16) vstore(orow + c, vmul(vload(orow + c), a16));
+      }
+    }
+    const float* vb = v + j0 * kstride + h * d;
+    for (int64_t c0 = 0; c0 < d / 16; c0 += 4) {
+      const int ct = static_cast<int>(std::min<int64_t>(4, d / 16 - c0));
+      r0 = 0;
+      if (ct == 4) {
+        for (; r0 + kFaRows <= rows; r0 += kFaRows)
+          fa_values<kFaRows, 4>(w.s.data(), vb, kstride, nb, r0, c0, w.o.data(), d);
+        for (; r0 < rows; ++r0) fa_values<1, 4>(w.s.data(), vb, kstride, nb, r0, c0, w.o.data(), d);
+      } else {
+        for (; r0 < rows; ++r0)
+          for (int c = 0; c < ct; ++c) fa_values<1, 1>(w.s.data(), vb, kstride, nb, r0, c0 + c, w.o.data(), d);
+      }
+    }
+  }
+  for (int64_t i = i0; i < i1; ++i)
+    for (int64_t gi = 0; gi < g; ++gi) {
+      const int64_t r = (i - i0) * g + gi;
+      const float inv = w.sum[r] > 0 ? 1.f / w.sum[r] : 0.f;
+      float* dst = out + (i * a.hq + h * g + gi) * d;
+      for (int64_t dd = 0; dd < d; ++dd) dst[dd] = w.o[r * d + dd] * inv;
+    }
+}
+#endif  // CW_SIMD
+
+}  // namespace
+
+// Attention of n queries [n, Hq, D] at positions q0.. over m keys / values [m, Hkv, D] at
+// positions k0.. (all fp32, contiguous), causal, with an optional window (0: none); a
+// query that sees no key gets zeros. -> [n, Hq, D] fp32.
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t q0, int64_t k0,
+                             int64_t window, double scale) {
+  TORCH_CHECK(q.dtype() == at::kFloat && k.dtype() == at::kFloat && v.dtype() == at::kFloat,
+              "prefill_attention takes fp32 q, k and v");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && q.is_contiguous() && k.is_contiguous() &&
+                  v.is_contiguous(),
+              "q must be contiguous [n, Hq, D], k and v contiguous [m, Hkv, D]");
+  const int64_t n = q.size(0), hq = q.size(1), d = q.size(2), m = k.size(0), hkv = k.size(1);
+  TORCH_CHECK(k.size(2) == d && hq % hkv == 0, "head dims must match and Hq be a multiple of Hkv");
+  TORCH_CHECK(d % 16 == 0 && d <= 512, "head_dim must be a multiple of 16 up to 512, got ", d);
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
+#if CW_SIMD
+  at::Tensor out = at::empty_like(q);
+  if (n == 0) return out;
+  const FlashArgs a{n, m, hq, hkv, d, hq / hkv, q0, k0, window, static_cast<float>(scale)};
+  // ~96 query rows (queries x the group's heads) per task; tasks with the most keys first
+#if !defined(CW_FA_TASK_ROWS)
+#define CW_FA_TASK_ROWS 96
+#endif
+  const int64_t per_task = std::max<int64_t>(1, CW_FA_TASK_ROWS / a.g), blocks = (n + per_task - 1) / per_task;
+  const int64_t tasks = blocks * hkv;
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int nt = static_cast<int>(std::min<int64_t>(std::max(1, at::get_num_threads()), tasks));
+#pragma omp parallel num_threads(nt)
+  {
+    FlashScratch w;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < tasks; ++t) {
+      const int64_t b = blocks - 1 - t / hkv, h = t % hkv;
+      flash_task(a, qp, kp, vp, op, h, b * per_task, std::min(n, (b + 1) * per_task), w);
+    }
+  }
+  return out;
+#else
+  TORCH_CHECK(false, "prefill_attention needs the AVX2 or AVX-512 build of the kernels");
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("simd_level", &simd_level, "vector instruction set of this build");
   m.def("q4_linear", &q4_linear, "x @ dequant(q4)^T with fp32 activations");
@@ -1642,4 +1864,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("rope_write_kv", &rope_write_kv, "rotate q/k, write k/v to the pool, return q");
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over KV pages in place");
+  m.def("prefill_attention", &prefill_attention, "causal (windowed) flash attention of a chunk's queries, fp32");
 }

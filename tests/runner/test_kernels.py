@@ -291,14 +291,19 @@ def test_whole_step_and_layer_calls_are_bit_identical_to_the_python_calls(weight
     assert not torch.equal(results[0][1][0], pools[0])  # the step wrote its keys
 
 
-def _attention_reference(q, k, v, q0, k0, window, scale):
-    """fp64 softmax attention under the runner's masking rule (no sinks); rows that see no
-    key are zeros."""
+def _attention_reference(q, k, v, q0, k0, window, scale, q_sink=None, num_sink=0):
+    """fp64 softmax attention under the runner's masking rule: the first num_sink keys are
+    sinks at positions 0.. scored against q_sink, the rest at k0..; rows that see no key
+    are zeros."""
     n, m, group = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
-    qp, kp = torch.arange(q0, q0 + n)[:, None], torch.arange(k0, k0 + m)[None]
+    qp = torch.arange(q0, q0 + n)[:, None]
+    kp = torch.cat([torch.arange(num_sink), torch.arange(k0, k0 + m - num_sink)])[None]
     ok = (kp <= qp) & ((qp - kp < window) if window else torch.ones_like(kp, dtype=torch.bool))
+    ok[:, :num_sink] = kp[:, :num_sink] <= qp
     kk, vv = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
     scores = torch.einsum("nhd,mhd->hnm", q.double(), kk) * scale
+    if num_sink:
+        scores[..., :num_sink] = torch.einsum("nhd,mhd->hnm", q_sink.double(), kk[:num_sink]) * scale
     p = torch.softmax(scores.masked_fill(~ok[None], float("-inf")), -1).nan_to_num(0.0)
     return torch.einsum("hnm,mhd->nhd", p, vv).float()
 
@@ -328,9 +333,31 @@ def test_prefill_flash_attention_matches_softmax_attention(n, m, hq, hkv, d, q0,
         assert (got - sdpa[0].transpose(0, 1)).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("n,m,num_sink,q0,k0,window", [
+    (64, 200, 4, 300, 104, 100),   # a chunk deep in a stream: 4 sinks + a window's keys
+    (40, 40, 4, 0, 4, 16),         # the stream's first chunk: the sinks are its first keys
+    (2, 3, 3, 0, 3, 8),            # only sinks so far
+    (70, 140, 100, 400, 330, 50),  # more sinks than a key block
+])
+def test_prefill_flash_attention_with_sinks(n, m, num_sink, q0, k0, window):
+    if ext.simd_level() == "none":
+        pytest.skip("prefill_attention needs a vector build")
+    torch.manual_seed(n + num_sink)
+    q, q_sink = torch.randn(n, 9, 64), torch.randn(n, 9, 64)
+    k, v = torch.randn(m, 3, 64), torch.randn(m, 3, 64)
+    got = ext.prefill_attention(q, k, v, q0, k0, window, 0.125, q_sink, num_sink)
+    ref = _attention_reference(q, k, v, q0, k0, window, 0.125, q_sink, num_sink)
+    assert (got - ref).abs().max() < 1e-5
+    no_sinks = ext.prefill_attention(q, k, v, q0, k0, window, 0.125, q, num_sink)
+    assert (no_sinks - ref).abs().max() > 1e-3  # q_sink really scored the sinks
+
+
 def test_prefill_flash_attention_refuses_what_it_cannot_run():
     q, k = torch.randn(4, 2, 20), torch.randn(4, 1, 20)
     with pytest.raises(RuntimeError, match="head_dim must be a multiple of 16"):
         ext.prefill_attention(q, k, k.clone(), 0, 0, 0, 0.2)
     with pytest.raises(RuntimeError, match="fp32"):
         ext.prefill_attention(q[..., :16].bfloat16(), k[..., :16], k[..., :16], 0, 0, 0, 0.2)
+    q, k = torch.randn(4, 2, 16), torch.randn(4, 1, 16)
+    with pytest.raises(RuntimeError, match="sink keys need q_sink"):
+        ext.prefill_attention(q, k, k.clone(), 0, 0, 0, 0.2, None, 2)

@@ -1619,16 +1619,17 @@ std::string simd_level() { return CW_SIMD == 2 ? "avx512" : CW_SIMD == 1 ? "avx2
 
 // ---- prefill attention: flash attention over a chunk's keys ------------------------------
 // torch's CPU flash attention ran SmolLM2's causal prefill attention (9 heads of 64, 3 KV
-// heads) at ~110 GFLOP/s on a Zen 5 EPYC whose GEMMs reach ~400: its tiles are small
-// GEMM calls with the softmax between. Here one task is (KV head, block of queries): the
-// group's query heads of those queries share every K/V block they read; a key block
-// (64 keys) is transposed once into a buffer and scored by a register tile (4 query rows
-// x 64 keys on AVX-512: 16 accumulators, per head dimension 4 key loads and 4 query
-// broadcasts for 16 FMAs), then an online softmax per row (running max and sum, the
-// output rescaled when the max grows) and P x V by a 4 rows x 64 values tile. Masking
-// is the runner's rule without sinks: key k visible to query p when k <= p and
-// (no window or p - k < window); a block wholly visible takes no mask. fp32 throughout:
-// softmax of the same scores as SDPA, in another summation order (1e-6 of its output).
+// heads) at ~110-125 GFLOP/s on a Zen 5 EPYC whose fp32 GEMMs reach ~400: its tiles are
+// small GEMM calls with the softmax between. Here one task is (KV head, block of queries):
+// the group's query heads of those queries share every K/V block they read; a key block
+// (64 keys) is transposed once into a buffer and scored by a register tile (kFaRows query
+// rows x 64 keys: on AVX-512 6 x 4 zmm accumulators, per head dimension 4 key loads and 6
+// query broadcasts for 24 FMAs), then an online softmax per row (running max and sum, the
+// output rescaled when the max grows) and P x V by a kFaRows x 64 values tile. Masking
+// is the runner's rule (runner/attention.py): key k visible to query p when k <= p and
+// (no window, p - k < window, or k a sink); sink keys are scored against the query
+// rotated for them (q_sink). fp32 throughout: the softmax of the same scores as SDPA in
+// another summation order (1e-6 of its output); ~300 GFLOP/s at 4,096 causal tokens.
 namespace {
 
 #if CW_SIMD
@@ -1706,32 +1707,22 @@ struct FlashScratch {
   std::vector<int64_t> lo, hi;
 };
 
-// One task: KV head h, queries [i0, i1).
-void flash_task(const FlashArgs& a, const float* q, const float* k, const float* v, float* out, int64_t h,
-                int64_t i0, int64_t i1, FlashScratch& w) {
+// Keys [jbase, jbase + count) of k / v (at positions kpos0..) against the task's rows of qb
+// (queries [i0, i1) x the group's heads), folded into the running max, sum and output.
+// windowed: the window applies (sink keys are visible to every later query).
+void flash_segment(const FlashArgs& a, const float* k, const float* v, int64_t h, int64_t i0, int64_t i1,
+                   int64_t jbase, int64_t count, int64_t kpos0, bool windowed, FlashScratch& w) {
   const int64_t g = a.g, d = a.d, rows = (i1 - i0) * g, kstride = a.hkv * d;
-  w.qb.resize(rows * d);
-  w.o.assign(rows * d, 0.f);
-  w.s.resize(rows * kFaKeys);
-  w.kt.resize(d * kFaKeys);
-  w.mx.assign(rows, -INFINITY);
-  w.sum.assign(rows, 0.f);
-  w.lo.resize(rows);
-  w.hi.resize(rows);
-  for (int64_t i = i0; i < i1; ++i)
-    for (int64_t gi = 0; gi < g; ++gi) {
-      const int64_t r = (i - i0) * g + gi;
-      const float* src = q + (i * a.hq + h * g + gi) * d;
-      for (int64_t dd = 0; dd < d; ++dd) w.qb[r * d + dd] = src[dd] * a.scale;
-      const int64_t p = a.q0 + i;  // visible key indices [lo, hi)
-      w.hi[r] = std::min(a.m, p - a.k0 + 1);
-      w.lo[r] = a.window > 0 ? std::max<int64_t>(0, p - a.k0 - a.window + 1) : 0;
-    }
-  const int64_t j_lo = w.lo[0], j_hi = w.hi[rows - 1];  // union over the task's rows
+  for (int64_t r = 0; r < rows; ++r) {  // visible key indices [lo, hi) of the segment
+    const int64_t p = a.q0 + i0 + r / g;
+    w.hi[r] = std::min(count, p - kpos0 + 1);
+    w.lo[r] = windowed && a.window > 0 ? std::max<int64_t>(0, p - kpos0 - a.window + 1) : 0;
+  }
+  const int64_t j_lo = w.lo[0], j_hi = w.hi[rows - 1];  // the union over the task's rows
   for (int64_t j0 = j_lo; j0 < j_hi; j0 += kFaKeys) {
     const int64_t nb = std::min(kFaKeys, j_hi - j0);
     for (int64_t jj = 0; jj < kFaKeys; ++jj) {
-      const float* kr = k + (j0 + jj) * kstride + h * d;
+      const float* kr = k + (jbase + j0 + jj) * kstride + h * d;
       for (int64_t dd = 0; dd < d; ++dd) w.kt[dd * kFaKeys + jj] = jj < nb ? kr[dd] : 0.f;
     }
     int64_t r0 = 0;
@@ -1749,20 +1740,17 @@ void flash_task(const FlashArgs& a, const float* q, const float* k, const float*
         for (int64_t jj = 0; jj < lo; ++jj) sr[jj] = -INFINITY;
         for (int64_t jj = hi; jj < kFaKeys; ++jj) sr[jj] = -INFINITY;
       }
-      V16 m4 = vmax(vmax(vload(sr), vload(sr + 16)), vmax(vload(sr + 32), vload(sr + 48)));
+      const V16 m4 = vmax(vmax(vload(sr), vload(sr + 16)), vmax(vload(sr + 32), vload(sr + 48)));
       const float top = std::max(w.mx[r], vhmax(m4));
       const float alpha = std::exp(w.mx[r] - top);  // 0 on the row's first visible block
       w.mx[r] = top;
       const V16 t16 = vset1(top);
-      V16 acc = vzero();
-      for (int c = 0; c < 4; ++c) {
-        const V16 e = vexp_nonpositive(vsub(vload(sr + c * 16), t16));
-        vstore(sr + c * 16, e);
-      }
+      for (int c = 0; c < 4; ++c) vstore(sr + c * 16, vexp_nonpositive(vsub(vload(sr + c * 16), t16)));
       if (masked) {  // e^-inf is not exactly 0 in vexp_nonpositive's clamped range
         for (int64_t jj = 0; jj < lo; ++jj) sr[jj] = 0.f;
         for (int64_t jj = hi; jj < kFaKeys; ++jj) sr[jj] = 0.f;
       }
+      V16 acc = vzero();
       for (int c = 0; c < 4; ++c) acc = vadd(acc, vload(sr + c * 16));
       w.sum[r] = w.sum[r] * alpha + vsum(acc);
       if (alpha != 1.f) {
@@ -1771,7 +1759,7 @@ void flash_task(const FlashArgs& a, const float* q, const float* k, const float*
         for (int64_t c = 0; c < d; c += 16) vstore(orow + c, vmul(vload(orow + c), a16));
       }
     }
-    const float* vb = v + j0 * kstride + h * d;
+    const float* vb = v + (jbase + j0) * kstride + h * d;
     for (int64_t c0 = 0; c0 < d / 16; c0 += 4) {
       const int ct = static_cast<int>(std::min<int64_t>(4, d / 16 - c0));
       r0 = 0;
@@ -1785,6 +1773,37 @@ void flash_task(const FlashArgs& a, const float* q, const float* k, const float*
       }
     }
   }
+}
+
+// The task's rows of a query tensor [n, Hq, D] into w.qb, pre-scaled.
+void flash_load_queries(const FlashArgs& a, const float* q, int64_t h, int64_t i0, int64_t i1, FlashScratch& w) {
+  for (int64_t i = i0; i < i1; ++i)
+    for (int64_t gi = 0; gi < a.g; ++gi) {
+      const float* src = q + (i * a.hq + h * a.g + gi) * a.d;
+      float* dst = w.qb.data() + ((i - i0) * a.g + gi) * a.d;
+      for (int64_t dd = 0; dd < a.d; ++dd) dst[dd] = src[dd] * a.scale;
+    }
+}
+
+// One task: KV head h, queries [i0, i1). The first num_sink keys (positions 0..) are scored
+// against q_sink, the rest (positions k0..) against q.
+void flash_task(const FlashArgs& a, const float* q, const float* q_sink, int64_t num_sink, const float* k,
+                const float* v, float* out, int64_t h, int64_t i0, int64_t i1, FlashScratch& w) {
+  const int64_t g = a.g, d = a.d, rows = (i1 - i0) * g;
+  w.qb.resize(rows * d);
+  w.o.assign(rows * d, 0.f);
+  w.s.resize(rows * kFaKeys);
+  w.kt.resize(d * kFaKeys);
+  w.mx.assign(rows, -INFINITY);
+  w.sum.assign(rows, 0.f);
+  w.lo.resize(rows);
+  w.hi.resize(rows);
+  if (num_sink > 0) {
+    flash_load_queries(a, q_sink, h, i0, i1, w);
+    flash_segment(a, k, v, h, i0, i1, 0, num_sink, 0, false, w);
+  }
+  flash_load_queries(a, q, h, i0, i1, w);
+  flash_segment(a, k, v, h, i0, i1, num_sink, a.m - num_sink, a.k0, true, w);
   for (int64_t i = i0; i < i1; ++i)
     for (int64_t gi = 0; gi < g; ++gi) {
       const int64_t r = (i - i0) * g + gi;
@@ -1797,11 +1816,14 @@ void flash_task(const FlashArgs& a, const float* q, const float* k, const float*
 
 }  // namespace
 
-// Attention of n queries [n, Hq, D] at positions q0.. over m keys / values [m, Hkv, D] at
-// positions k0.. (all fp32, contiguous), causal, with an optional window (0: none); a
-// query that sees no key gets zeros. -> [n, Hq, D] fp32.
+// Attention of n queries [n, Hq, D] at positions q0.. over m keys / values [m, Hkv, D]
+// (all fp32, contiguous), causal, with an optional window (0: none): the first num_sink
+// keys are the sinks at positions 0.. (StreamingLLM: visible to every later query, scored
+// against q_sink [n, Hq, D]), the others at positions k0... A query that sees no key gets
+// zeros. -> [n, Hq, D] fp32.
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t q0, int64_t k0,
-                             int64_t window, double scale) {
+                             int64_t window, double scale, const c10::optional<at::Tensor>& q_sink,
+                             int64_t num_sink) {
   TORCH_CHECK(q.dtype() == at::kFloat && k.dtype() == at::kFloat && v.dtype() == at::kFloat,
               "prefill_attention takes fp32 q, k and v");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && q.is_contiguous() && k.is_contiguous() &&
@@ -1811,6 +1833,10 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   TORCH_CHECK(k.size(2) == d && hq % hkv == 0, "head dims must match and Hq be a multiple of Hkv");
   TORCH_CHECK(d % 16 == 0 && d <= 512, "head_dim must be a multiple of 16 up to 512, got ", d);
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
+  TORCH_CHECK(num_sink >= 0 && num_sink <= m, "num_sink must be in [0, ", m, "], got ", num_sink);
+  TORCH_CHECK(num_sink == 0 || (q_sink.has_value() && q_sink->dtype() == at::kFloat && q_sink->is_contiguous() &&
+                                q_sink->sizes() == q.sizes()),
+              "sink keys need q_sink: a contiguous fp32 tensor shaped like q");
 #if CW_SIMD
   at::Tensor out = at::empty_like(q);
   if (n == 0) return out;
@@ -1822,6 +1848,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   const int64_t per_task = std::max<int64_t>(1, CW_FA_TASK_ROWS / a.g), blocks = (n + per_task - 1) / per_task;
   const int64_t tasks = blocks * hkv;
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float* qsp = num_sink > 0 ? q_sink->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   const int nt = static_cast<int>(std::min<int64_t>(std::max(1, at::get_num_threads()), tasks));
 #pragma omp parallel num_threads(nt)
@@ -1830,7 +1857,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < tasks; ++t) {
       const int64_t b = blocks - 1 - t / hkv, h = t % hkv;
-      flash_task(a, qp, kp, vp, op, h, b * per_task, std::min(n, (b + 1) * per_task), w);
+      flash_task(a, qp, qsp, num_sink, kp, vp, op, h, b * per_task, std::min(n, (b + 1) * per_task), w);
     }
   }
   return out;
@@ -1864,5 +1891,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("rope_write_kv", &rope_write_kv, "rotate q/k, write k/v to the pool, return q");
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over KV pages in place");
-  m.def("prefill_attention", &prefill_attention, "causal (windowed) flash attention of a chunk's queries, fp32");
+  m.def("prefill_attention", &prefill_attention, "causal (windowed, sink) flash attention of a chunk's queries, fp32",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("q0"), py::arg("k0"), py::arg("window"), py::arg("scale"),
+        py::arg("q_sink") = py::none(), py::arg("num_sink") = 0);
 }

@@ -124,11 +124,13 @@ def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, params: AttentionParams) 
 def _prefill_one(q, q_sink, flat_k, flat_v, s: SequenceKeys, params: AttentionParams):
     k = _gather(flat_k, s.key_slots, q.dtype)  # [m, Hkv, D]
     v = _gather(flat_v, s.key_slots, q.dtype)
+    ranges = _prefill_kernel_keys(q, k, s, params) if params.softcap is None else None
+    if ranges is not None:
+        k0, num_sink = ranges
+        qs = None if not num_sink else (q if q_sink is None else q_sink).float().contiguous()
+        return kernels().prefill_attention(q.contiguous(), k, v, s.num_computed_tokens, k0,
+                                           params.window_tokens or 0, params.scale, qs, num_sink)
     if params.softcap is None and q_sink is None:
-        if _takes_prefill_kernel(q, k, s, params):
-            return kernels().prefill_attention(q.contiguous(), k, v, s.num_computed_tokens,
-                                               int(s.key_positions[0]), params.window_tokens or 0,
-                                               params.scale)
         return _sdpa(q, k, v, s, params)
     if params.softcap is None and _FLASH_WITH_LSE is not None:
         return _sinks_and_window(q, q_sink, k, v, s, params)
@@ -143,16 +145,25 @@ def _prefill_one(q, q_sink, flat_k, flat_v, s: SequenceKeys, params: AttentionPa
     return torch.cat(outs)
 
 
-def _takes_prefill_kernel(q, k, s: SequenceKeys, params: AttentionParams) -> bool:
-    """Whether ext's flash attention runs this chunk: fp32, an AVX-512 build (on AVX2 it was
-    not measured faster than torch's), no sinks, queries at consecutive positions from
-    num_computed_tokens and keys at consecutive positions (a window's tail of the sequence).
-    CTXWARDEN_PREFILL_ATTENTION=torch keeps torch's SDPA (for A/B runs)."""
+def _prefill_kernel_keys(q, k, s: SequenceKeys, params: AttentionParams) -> tuple[int, int] | None:
+    """(first non-sink key position, number of sink keys) when ext's flash attention runs
+    this chunk, else None. It runs fp32 chunks on an AVX-512 build (on AVX2 it was not
+    measured faster than torch's) whose queries sit at consecutive positions from
+    num_computed_tokens and whose keys are the leading sinks (positions 0..) then
+    consecutive positions (the window's tail of the sequence). Soft-capping is checked by
+    the caller. CTXWARDEN_PREFILL_ATTENTION=torch keeps torch's paths (for A/B runs)."""
     m = k.shape[0]
-    return (_PREFILL_KERNEL and q.dtype == torch.float32 and m > 0 and params.sink_tokens == 0
-            and k.shape[-1] % 16 == 0 and kernels() is not None and simd_level() == "avx512"
-            and int(s.query_positions[0]) == s.num_computed_tokens
-            and int(s.key_positions[-1]) - int(s.key_positions[0]) == m - 1)
+    if not (_PREFILL_KERNEL and q.dtype == torch.float32 and m > 0 and k.shape[-1] % 16 == 0
+            and kernels() is not None and simd_level() == "avx512"
+            and int(s.query_positions[0]) == s.num_computed_tokens):
+        return None
+    num_sink = int((s.key_positions < params.sink_tokens).sum()) if params.sink_tokens else 0
+    if num_sink and int(s.key_positions[num_sink - 1]) != num_sink - 1:
+        return None
+    if num_sink == m:
+        return 0, num_sink
+    first, last = int(s.key_positions[num_sink]), int(s.key_positions[-1])
+    return (first, num_sink) if last - first == m - num_sink - 1 else None
 
 
 _PREFILL_KERNEL = os.environ.get("CTXWARDEN_PREFILL_ATTENTION", "ext").strip().lower() != "torch"

@@ -34,3 +34,31 @@ def test_cli_parser_does_not_import_torch():
     code = ("import sys, ctxwarden.cli as c; c.build_parser(); "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_auto_keeps_a_bf16_checkpoint_in_bf16_with_fp32_compute(tiny_model, tmp_path):
+    """A BF16 safetensors checkpoint under weights=auto (fp32 model, vector build): the
+    projections stay bf16 (half the bytes), the tied embedding is one shared bf16 table, and
+    the logits are transformers' fp32 run of the same file within the fp32 parity bound."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from ctxwarden.ext import has_vector_kernels
+
+    src = tiny_model("llama")  # ties its embeddings
+    model_dir = tmp_path / "bf16"
+    shutil.copytree(src, model_dir)
+    for f in model_dir.glob("*.safetensors"):
+        save_file({k: v.bfloat16() for k, v in load_file(str(f)).items()}, str(f), metadata={"format": "pt"})
+    ref = hf_reference(hf_model(model_dir), prompt_ids(40, 512), 4)
+    auto, fp32 = (make_runner(model_dir, 16, 48, weights=w) for w in ("auto", "fp32"))
+    qkv = auto.model.layers[0].qkv
+    assert qkv.weight.dtype == (torch.bfloat16 if has_vector_kernels() else torch.float32)
+    if has_vector_kernels():
+        assert auto.model.embed_tokens is auto.model.lm_head.weight  # one table, not two
+        assert auto.model.weights_bytes < 0.6 * fp32.model.weights_bytes
+    for runner in (auto, fp32):
+        ours = paged_run(runner, prompt_ids(40, 512), 4)
+        assert (ours.prefill_logits - ref.prefill_logits).abs().max().item() < 1e-4
+        assert all((a - b).abs().max().item() < 1e-4 for a, b in zip(ours.decode_logits, ref.decode_logits))

@@ -153,8 +153,9 @@ class LlamaForCausalLM:
         if spec.tie_word_embeddings:
             lm_head = source.get_linear(name, head_mode, dtype)
             # a quantized table serves lookups too (rows dequantized on demand), and so does
-            # a dense one in `dtype` (one copy of vocab x hidden, not two)
-            shared = isinstance(lm_head, QuantizedWeight) or lm_head.dtype == dtype
+            # a dense one in `dtype` or bf16 (rows widened on lookup): one copy of vocab x
+            # hidden, not two
+            shared = isinstance(lm_head, QuantizedWeight) or lm_head.dtype in (dtype, torch.bfloat16)
             embed = lm_head if shared else source.get(name, dtype)
         else:
             embed = source.get(name, dtype)
@@ -230,7 +231,8 @@ class LlamaForCausalLM:
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed_tokens, QuantizedWeight):
             return rows_of(self.embed_tokens, input_ids).to(self.dtype)
-        return self.embed_tokens.index_select(0, input_ids)  # not [ids]: see attention._gather
+        rows = self.embed_tokens.index_select(0, input_ids)  # not [ids]: see attention._gather
+        return rows if rows.dtype == self.dtype else rows.to(self.dtype)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, weight, self.spec.rms_norm_eps, self.norm_offset)

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ctxwarden.engine.config import WEIGHTS_MODES
+from ctxwarden.ext import has_vector_kernels
 from ctxwarden.errors import WeightsError
 from ctxwarden.layers.quant import (GGUF_KINDS, GROUP, Q4, Q8, QuantizedWeight, from_gguf_blocks,
                                     permute_rows, quantize)
@@ -101,8 +102,10 @@ class WeightSource:
     def get_linear(self, name: str, weights: str, dtype: torch.dtype) -> torch.Tensor | QuantizedWeight:
         """A projection weight as `weights` mode stores it (see WEIGHTS_MODES).
 
-        auto keeps what the file stores quantized (GGUF Q4_0 / Q4_1 / Q8_0) quantized and
-        loads the rest in `dtype`; auto-int8act stores the same, its quantized weights
+        auto keeps what the file stores quantized (GGUF Q4_0 / Q4_1 / Q8_0) quantized, keeps
+        a BF16 tensor in bf16 where the ext/ kernels multiply it in fp32 (an fp32 model on
+        a vector build: the same numbers as the weight widened to fp32, half the bytes,
+        faster decode; layers/linear.py) and loads the rest in `dtype`; auto-int8act stores the same, its quantized weights
         marked for int8 activations (layers/linear.py); int4 / int8 quantize every projection (a GGUF tensor
         already of that kind is kept as it is); fp32 / bf16 are dense.
         """
@@ -112,7 +115,12 @@ class WeightSource:
         if weights == "auto-int8act" and stored is not None:
             return replace(stored, int8_activations=True)
         if weights in ("auto", "auto-int8act"):
-            return stored if stored is not None else self.get(name, dtype)
+            if stored is not None:
+                return stored
+            if (self.infos[name].type_name == "BF16" and dtype == torch.float32
+                    and has_vector_kernels()):
+                return self.get(name, torch.bfloat16)  # exact: BF16 -> bf16
+            return self.get(name, dtype)
         kind = {"int4": Q4, "int8": Q8}[weights]
         if stored is not None and stored.kind == kind:
             return stored

@@ -110,6 +110,26 @@ def test_int8_activation_rows_do_not_depend_on_their_batch(kind):
                            whole[lo:hi]), (lo, hi)
 
 
+@pytest.mark.parametrize("kind", [Q4, Q8])
+def test_fp32_activation_rows_do_not_depend_on_their_batch(kind):
+    """q4 / q8 with fp32 activations below DENSE_MIN_ROWS: from 8 rows up (AVX-512) a block
+    of weight rows is dequantized once and multiplied by the dense tile, below that each
+    tile dequantizes its own; both give every row bit-identical results."""
+    torch.manual_seed(2)
+    q = quantize(torch.randn(203, 576) * 0.1, kind)  # 203: a tail past the 4-row block
+    x = torch.randn(47, 576)
+
+    def run(rows):
+        return (ext.q4_linear(rows, q.codes, q.scale, q.zero) if kind == Q4
+                else ext.q8_linear(rows, q.codes, q.scale))
+
+    whole = run(x)
+    for lo, hi in ((0, 1), (5, 6), (3, 7), (2, 10), (8, 24), (30, 47)):
+        assert torch.equal(run(x[lo:hi].contiguous()), whole[lo:hi]), (lo, hi)
+    ref = F.linear(x.double(), dequantize(q).double())
+    assert (whole - ref).abs().max() < 1e-5 * ref.abs().max()
+
+
 def test_quantize_stays_within_half_a_step():
     torch.manual_seed(0)
     w = torch.randn(16, 64)

@@ -1735,15 +1735,15 @@ struct FlashArgs {
   float scale;
 };
 
-// S[r, 0..64) = Q[r] . Kt[:, 0..64) for RT rows from r0 (Kt: [d][64], Q pre-scaled).
+// S[r, 0..64) = Q[r] . Kt[:, 0..64) for RT rows from r0 (Kt: [d][ldk], Q pre-scaled).
 template <int RT, int CT>
-inline void fa_scores(const float* qb, const float* kt, int64_t d, int64_t r0, float* s) {
+inline void fa_scores(const float* qb, const float* kt, int64_t ldk, int64_t d, int64_t r0, float* s) {
   V16 acc[RT][CT];
   for (int r = 0; r < RT; ++r)
     for (int c = 0; c < CT; ++c) acc[r][c] = vzero();
   for (int64_t dd = 0; dd < d; ++dd) {
     V16 kv[CT];
-    for (int c = 0; c < CT; ++c) kv[c] = vload(kt + dd * kFaKeys + c * 16);
+    for (int c = 0; c < CT; ++c) kv[c] = vload(kt + dd * ldk + c * 16);
     for (int r = 0; r < RT; ++r) {
       const V16 qv = vbroadcast(qb + (r0 + r) * d + dd);
       for (int c = 0; c < CT; ++c) acc[r][c] = vfmadd(qv, kv[c], acc[r][c]);
@@ -1773,15 +1773,15 @@ inline void fa_values(const float* p, const float* v, int64_t vstride, int64_t n
 }
 
 struct FlashScratch {
-  std::vector<float> qb, o, s, kt, mx, sum;
+  std::vector<float> qb, o, s, mx, sum;
   std::vector<int64_t> lo, hi;
 };
 
 // Keys [jbase, jbase + count) of k / v (at positions kpos0..) against the task's rows of qb
 // (queries [i0, i1) x the group's heads), folded into the running max, sum and output.
 // windowed: the window applies (sink keys are visible to every later query).
-void flash_segment(const FlashArgs& a, const float* k, const float* v, int64_t h, int64_t i0, int64_t i1,
-                   int64_t jbase, int64_t count, int64_t kpos0, bool windowed, FlashScratch& w) {
+void flash_segment(const FlashArgs& a, const float* kt, int64_t ldk, const float* v, int64_t h, int64_t i0,
+                   int64_t i1, int64_t jbase, int64_t count, int64_t kpos0, bool windowed, FlashScratch& w) {
   const int64_t g = a.g, d = a.d, rows = (i1 - i0) * g, kstride = a.hkv * d;
   for (int64_t r = 0; r < rows; ++r) {  // visible key indices [lo, hi) of the segment
     const int64_t p = a.q0 + i0 + r / g;
@@ -1791,13 +1791,10 @@ void flash_segment(const FlashArgs& a, const float* k, const float* v, int64_t h
   const int64_t j_lo = w.lo[0], j_hi = w.hi[rows - 1];  // the union over the task's rows
   for (int64_t j0 = j_lo; j0 < j_hi; j0 += kFaKeys) {
     const int64_t nb = std::min(kFaKeys, j_hi - j0);
-    for (int64_t jj = 0; jj < kFaKeys; ++jj) {
-      const float* kr = k + (jbase + j0 + jj) * kstride + h * d;
-      for (int64_t dd = 0; dd < d; ++dd) w.kt[dd * kFaKeys + jj] = jj < nb ? kr[dd] : 0.f;
-    }
+    const float* kb = kt + jbase + j0;  // columns past nb hold other keys or padding: masked
     int64_t r0 = 0;
-    for (; r0 + kFaRows <= rows; r0 += kFaRows) fa_scores<kFaRows, 4>(w.qb.data(), w.kt.data(), d, r0, w.s.data());
-    for (; r0 < rows; ++r0) fa_scores<1, 4>(w.qb.data(), w.kt.data(), d, r0, w.s.data());
+    for (; r0 + kFaRows <= rows; r0 += kFaRows) fa_scores<kFaRows, 4>(w.qb.data(), kb, ldk, d, r0, w.s.data());
+    for (; r0 < rows; ++r0) fa_scores<1, 4>(w.qb.data(), kb, ldk, d, r0, w.s.data());
     for (int64_t r = 0; r < rows; ++r) {
       float* sr = w.s.data() + r * kFaKeys;
       const int64_t lo = std::max<int64_t>(0, w.lo[r] - j0), hi = std::min(nb, w.hi[r] - j0);
@@ -1812,7 +1809,7 @@ void flash_segment(const FlashArgs& a, const float* k, const float* v, int64_t h
       }
       const V16 m4 = vmax(vmax(vload(sr), vload(sr + 16)), vmax(vload(sr + 32), vload(sr + 48)));
       const float top = std::max(w.mx[r], vhmax(m4));
-      const float alpha = std::exp(w.mx[r] - top);  // 0 on the row's first visible block
+      const float alpha = top == w.mx[r] ? 1.f : std::exp(w.mx[r] - top);  // 0 on the first block
       w.mx[r] = top;
       const V16 t16 = vset1(top);
       for (int c = 0; c < 4; ++c) vstore(sr + c * 16, vexp_nonpositive(vsub(vload(sr + c * 16), t16)));
@@ -1857,23 +1854,23 @@ void flash_load_queries(const FlashArgs& a, const float* q, int64_t h, int64_t i
 
 // One task: KV head h, queries [i0, i1). The first num_sink keys (positions 0..) are scored
 // against q_sink, the rest (positions k0..) against q.
-void flash_task(const FlashArgs& a, const float* q, const float* q_sink, int64_t num_sink, const float* k,
-                const float* v, float* out, int64_t h, int64_t i0, int64_t i1, FlashScratch& w) {
+void flash_task(const FlashArgs& a, const float* q, const float* q_sink, int64_t num_sink, const float* kt,
+                int64_t ldk, const float* v, float* out, int64_t h, int64_t i0, int64_t i1, FlashScratch& w) {
   const int64_t g = a.g, d = a.d, rows = (i1 - i0) * g;
+  kt += h * d * ldk;
   w.qb.resize(rows * d);
   w.o.assign(rows * d, 0.f);
   w.s.resize(rows * kFaKeys);
-  w.kt.resize(d * kFaKeys);
   w.mx.assign(rows, -INFINITY);
   w.sum.assign(rows, 0.f);
   w.lo.resize(rows);
   w.hi.resize(rows);
   if (num_sink > 0) {
     flash_load_queries(a, q_sink, h, i0, i1, w);
-    flash_segment(a, k, v, h, i0, i1, 0, num_sink, 0, false, w);
+    flash_segment(a, kt, ldk, v, h, i0, i1, 0, num_sink, 0, false, w);
   }
   flash_load_queries(a, q, h, i0, i1, w);
-  flash_segment(a, k, v, h, i0, i1, num_sink, a.m - num_sink, a.k0, true, w);
+  flash_segment(a, kt, ldk, v, h, i0, i1, num_sink, a.m - num_sink, a.k0, true, w);
   for (int64_t i = i0; i < i1; ++i)
     for (int64_t gi = 0; gi < g; ++gi) {
       const int64_t r = (i - i0) * g + gi;
@@ -1920,14 +1917,25 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   const float* qsp = num_sink > 0 ? q_sink->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
+  // K transposed once per call, [Hkv][D][ldk] (a key block's D x 64 scores tile reads
+  // rows of it), zero past m: transposing per task cost each key up to n / 32 copies.
+  const int64_t ldk = (m + kFaKeys - 1) / kFaKeys * kFaKeys + kFaKeys;
+  std::vector<float> kt(static_cast<size_t>(hkv * d * ldk));
   const int nt = static_cast<int>(std::min<int64_t>(std::max(1, at::get_num_threads()), tasks));
 #pragma omp parallel num_threads(nt)
   {
+#pragma omp for schedule(static)
+    for (int64_t hd = 0; hd < hkv * d; ++hd) {
+      const int64_t h = hd / d, dd = hd % d;
+      float* row = kt.data() + hd * ldk;
+      for (int64_t j = 0; j < m; ++j) row[j] = kp[(j * hkv + h) * d + dd];
+      std::fill(row + m, row + ldk, 0.f);
+    }
     FlashScratch w;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < tasks; ++t) {
       const int64_t b = blocks - 1 - t / hkv, h = t % hkv;
-      flash_task(a, qp, qsp, num_sink, kp, vp, op, h, b * per_task, std::min(n, (b + 1) * per_task), w);
+      flash_task(a, qp, qsp, num_sink, kt.data(), ldk, vp, op, h, b * per_task, std::min(n, (b + 1) * per_task), w);
     }
   }
   return out;

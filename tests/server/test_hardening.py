@@ -132,14 +132,16 @@ def test_an_abandoned_non_streaming_request_is_aborted_within_a_step(serve, comp
 
 
 def test_metrics_answer_fast_during_a_long_prefill(compute_dir, free_port):
-    """During one 8,000-token step /metrics answers from the published snapshot: the median
-    probe under 100 ms (it used to wait for the step: seconds), none over a second."""
-    with _server_process(compute_dir, free_port(), "--kv-memory", "512MiB", "--max-batched-tokens", "8192") as url:
+    """During one 16,000-token step /metrics answers from the published snapshot: the median
+    probe under 100 ms (it used to wait for the step: seconds), none over a second. (16,000:
+    with ext's prefill attention an 8,000-token step of this model took ~0.5 s, too short to
+    probe five times.)"""
+    with _server_process(compute_dir, free_port(), "--kv-memory", "512MiB", "--max-batched-tokens", "16384") as url:
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
 
         async def scenario():
-            long = asyncio.ensure_future(asyncio.to_thread(_complete, url, model, _ids(8000, 3), 2, {}))
-            await asyncio.sleep(0.5)  # the 8,000-token step is running now
+            long = asyncio.ensure_future(asyncio.to_thread(_complete, url, model, _ids(16000, 3), 2, {}))
+            await asyncio.sleep(0.5)  # the 16,000-token step is running now
             times = []
             async with httpx.AsyncClient(base_url=url, timeout=10) as client:
                 while not long.done() and len(times) < 20:

@@ -1176,6 +1176,33 @@ void rope_write_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Ten
     }
     for (int64_t i = rd; i < d; ++i) store(i, src[i]);
   };
+#if CW_SIMD
+  // The usual shape (rotary over the whole head, half a multiple of 16): 16 lanes at a time
+  // (a 2,048-row prefill step of SmolLM2, pages touched before: 2.2 -> 0.6 ms). The same products
+  // and differences as the scalar loop, each rounded once (no contraction into an FMA).
+  if (rd == d && half % 16 == 0) {
+    auto rot16 = [&](const float* src, const float* c, const float* sn, auto* dst) {
+      for (int64_t i = 0; i < half; i += 16) {
+        const V16 a = vload(src + i), b = vload(src + i + half);
+        vstore(dst + i, vsub(vmul(a, vload(c + i)), vmul(b, vload(sn + i))));
+        vstore(dst + i + half, vadd(vmul(b, vload(c + i + half)), vmul(a, vload(sn + i + half))));
+      }
+    };
+    at::parallel_for(0, t, kRowGrain, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const float *row = xp + r * width, *c = cp + r * rd, *sn = sp + r * rd;
+        for (int64_t h = 0; h < hq; ++h) rot16(row + h * d, c, sn, qo + (r * hq + h) * d);
+        for (int64_t h = 0; h < hkv; ++h) {
+          rot16(row + (hq + h) * d, c, sn, kp + (slot[r] * hkv + h) * d);
+          const float* vs = row + (hq + hkv + h) * d;
+          T* vd = vp + (slot[r] * hkv + h) * d;
+          for (int64_t i = 0; i < d; i += 16) vstore(vd + i, vload(vs + i));
+        }
+      }
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, t, kRowGrain, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {  // rows write distinct slots: any split is safe
       const float *row = xp + r * width, *c = cp + r * rd, *s = sp + r * rd;

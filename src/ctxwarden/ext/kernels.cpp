@@ -1972,13 +1972,17 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // Every kernel runs with the GIL released (arguments are converted before, the result
+  // after): a prefill chunk's attention can take a second, and a server's event loop
+  // (/metrics, new requests) must keep running beside it, as it does beside torch's ops.
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("simd_level", &simd_level, "vector instruction set of this build");
-  m.def("q4_linear", &q4_linear, "x @ dequant(q4)^T with fp32 activations");
-  m.def("q8_linear", &q8_linear, "x @ dequant(q8)^T with fp32 activations");
-  m.def("quantized_linear_int8", &quantized_linear_int8, "x @ dequant(q4 | q8)^T, x quantized to int8 per group",
+  m.def("q4_linear", &q4_linear, nogil, "x @ dequant(q4)^T with fp32 activations");
+  m.def("q8_linear", &q8_linear, nogil, "x @ dequant(q8)^T with fp32 activations");
+  m.def("quantized_linear_int8", &quantized_linear_int8, nogil, "x @ dequant(q4 | q8)^T, x quantized to int8 per group",
         py::arg("x"), py::arg("codes"), py::arg("scale"), py::arg("zero") = py::none());
-  m.def("dense_linear", &dense_linear, "x @ w^T for a plain fp32 weight at a few rows");
-  m.def("decode_layer", &decode_layer, "one llama decode layer: norm, qkv, rope + KV write, attention, o, norm, MLP");
+  m.def("dense_linear", &dense_linear, nogil, "x @ w^T for a plain fp32 weight at a few rows");
+  m.def("decode_layer", &decode_layer, nogil, "one llama decode layer: norm, qkv, rope + KV write, attention, o, norm, MLP");
   // module_local: two builds of these kernels can then load in one process (an in-process
   // A/B of an old build against a new one; otherwise pybind11 refuses the second type)
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local(), "a model's llama decode layers, a whole step's in one call")
@@ -1988,15 +1992,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("norms"), py::arg("weights"), py::arg("modes"), py::arg("k_pools"), py::arg("v_pools"),
            py::arg("hidden"), py::arg("intermediate"), py::arg("num_heads"), py::arg("num_kv_heads"),
            py::arg("head_dim"), py::arg("eps"), py::arg("offset"))
-      .def("run", &DecodeStack::run, "every layer of a decode step on x (in place)")
+      .def("run", &DecodeStack::run, nogil, "every layer of a decode step on x (in place)")
       .def_property_readonly("num_layers", &DecodeStack::num_layers);
-  m.def("q4_dequantize", &q4_dequantize, "q4 weight -> dense fp32 or bf16 [N, K]");
-  m.def("rms_norm", &rms_norm, "RMSNorm of fp32 rows");
-  m.def("add_rms_norm", &add_rms_norm, "x += delta; RMSNorm(x)");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up");
-  m.def("rope_write_kv", &rope_write_kv, "rotate q/k, write k/v to the pool, return q");
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over KV pages in place");
-  m.def("prefill_attention", &prefill_attention, "causal (windowed, sink) flash attention of a chunk's queries, fp32",
+  m.def("q4_dequantize", &q4_dequantize, nogil, "q4 weight -> dense fp32 or bf16 [N, K]");
+  m.def("rms_norm", &rms_norm, nogil, "RMSNorm of fp32 rows");
+  m.def("add_rms_norm", &add_rms_norm, nogil, "x += delta; RMSNorm(x)");
+  m.def("silu_mul", &silu_mul, nogil, "silu(gate) * up");
+  m.def("rope_write_kv", &rope_write_kv, nogil, "rotate q/k, write k/v to the pool, return q");
+  m.def("paged_decode_attention", &paged_decode_attention, nogil, "decode attention over KV pages in place");
+  m.def("prefill_attention", &prefill_attention, nogil, "causal (windowed, sink) flash attention of a chunk's queries, fp32",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("q0"), py::arg("k0"), py::arg("window"), py::arg("scale"),
         py::arg("q_sink") = py::none(), py::arg("num_sink") = 0);
 }

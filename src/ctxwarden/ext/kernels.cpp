@@ -65,6 +65,8 @@ inline V16 vmul(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
 inline V16 vadd(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline V16 vsub(V16 a, V16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
 inline float vsum(V16 a) { return _mm512_reduce_add_ps(a.v); }
+inline V16 vmax(V16 a, V16 b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline float vhmax(V16 a) { return _mm512_reduce_max_ps(a.v); }
 // 16 unsigned bytes (in a register) / 16 signed bytes (at p), widened to fp32
 inline V16 vfrom_u8(__m128i b) { return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b))}; }
 inline V16 vfrom_i8(const int8_t* p) {
@@ -107,11 +109,21 @@ inline V16 vfmadd(V16 x, V16 y, V16 z) { return {_mm256_fmadd_ps(x.a, y.a, z.a),
 inline V16 vmul(V16 x, V16 y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
 inline V16 vadd(V16 x, V16 y) { return {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
 inline V16 vsub(V16 x, V16 y) { return {_mm256_sub_ps(x.a, y.a), _mm256_sub_ps(x.b, y.b)}; }
+// 8 lanes reduced by op (add, max) in one fixed tree: halves, then pairs, then the last two.
+template <typename Op, typename OpScalar>
+inline float hreduce8(__m256 s, Op op, OpScalar op_last) {
+  __m128 h = op(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  h = op(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(op_last(h, _mm_movehdup_ps(h)));
+}
 inline float vsum(V16 x) {
-  const __m256 s = _mm256_add_ps(x.a, x.b);
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+  return hreduce8(_mm256_add_ps(x.a, x.b), [](__m128 a, __m128 b) { return _mm_add_ps(a, b); },
+                  [](__m128 a, __m128 b) { return _mm_add_ss(a, b); });
+}
+inline V16 vmax(V16 x, V16 y) { return {_mm256_max_ps(x.a, y.a), _mm256_max_ps(x.b, y.b)}; }
+inline float vhmax(V16 x) {
+  return hreduce8(_mm256_max_ps(x.a, x.b), [](__m128 a, __m128 b) { return _mm_max_ps(a, b); },
+                  [](__m128 a, __m128 b) { return _mm_max_ss(a, b); });
 }
 inline V16 vfrom_u8(__m128i b) {
   return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)))};
@@ -1743,18 +1755,6 @@ constexpr int64_t kFaKeys = 64;  // keys per block: 4 V16
 #endif
 #endif
 constexpr int kFaRows = CW_FA_ROWS;
-#if CW_SIMD == 2
-inline V16 vmax(V16 a, V16 b) { return {_mm512_max_ps(a.v, b.v)}; }
-inline float vhmax(V16 a) { return _mm512_reduce_max_ps(a.v); }
-#else
-inline V16 vmax(V16 a, V16 b) { return {_mm256_max_ps(a.a, b.a), _mm256_max_ps(a.b, b.b)}; }
-inline float vhmax(V16 a) {
-  const __m256 s = _mm256_max_ps(a.a, a.b);
-  __m128 h = _mm_max_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
-}
-#endif
 
 struct FlashArgs {
   int64_t n, m, hq, hkv, d, g;  // queries, keys, heads, head dim, query heads per KV head

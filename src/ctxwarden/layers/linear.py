@@ -18,7 +18,7 @@ Three layouts (`LinearWeight.kind`):
   A bf16 weight in an fp32 model (weights="bf16", dtype fp32) stays plain too: bf16
   storage, fp32 compute. `dense_linear` widens it in registers at decode (half the bytes
   of fp32 streamed, the same fp32 arithmetic), and longer steps widen it to fp32 for one
-  MKL GEMM, so every step size computes the bf16-rounded weight in fp32 and a recompute
+  `fp32_gemm`, so every step size computes the bf16-rounded weight in fp32 and a recompute
   after preemption reproduces the KV that decode steps wrote (see docs/runner.md).
 - "q4" / "q8": group-quantized codes (layers/quant.py) for the ext/ kernels, which take
   fp32 activations and reproduce the dequantized fp32 weight exactly. Steps of many rows

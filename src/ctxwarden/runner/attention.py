@@ -124,7 +124,7 @@ def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, params: AttentionParams) 
 def _prefill_one(q, q_sink, flat_k, flat_v, s: SequenceKeys, params: AttentionParams):
     k = _gather(flat_k, s.key_slots, q.dtype)  # [m, Hkv, D]
     v = _gather(flat_v, s.key_slots, q.dtype)
-    ranges = _prefill_kernel_keys(q, k, s, params) if params.softcap is None else None
+    ranges = _prefill_kernel_keys(q, k, s, params)
     if ranges is not None:
         k0, num_sink = ranges
         qs = None if not num_sink else (q if q_sink is None else q_sink).float().contiguous()
@@ -150,11 +150,11 @@ def _prefill_kernel_keys(q, k, s: SequenceKeys, params: AttentionParams) -> tupl
     this chunk, else None. It runs fp32 chunks on an AVX-512 build (on AVX2 it was not
     measured faster than torch's) whose queries sit at consecutive positions from
     num_computed_tokens and whose keys are the leading sinks (positions 0..) then
-    consecutive positions (the window's tail of the sequence). Soft-capping is checked by
-    the caller. CTXWARDEN_PREFILL_ATTENTION=torch keeps torch's paths (for A/B runs)."""
-    m = k.shape[0]
-    if not (_PREFILL_KERNEL and q.dtype == torch.float32 and m > 0 and k.shape[-1] % 16 == 0
-            and kernels() is not None and simd_level() == "avx512"
+    consecutive positions (the window's tail of the sequence), without soft-capping.
+    CTXWARDEN_PREFILL_ATTENTION=torch keeps torch's paths (for A/B runs)."""
+    m, d = k.shape[0], k.shape[-1]
+    if not (_PREFILL_KERNEL and params.softcap is None and q.dtype == torch.float32 and m > 0
+            and d % 16 == 0 and d <= 512 and kernels() is not None and simd_level() == "avx512"
             and int(s.query_positions[0]) == s.num_computed_tokens):
         return None
     num_sink = int((s.key_positions < params.sink_tokens).sum()) if params.sink_tokens else 0

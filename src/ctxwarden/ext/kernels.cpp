@@ -286,18 +286,56 @@ template <int NB, int R, bool Zero, typename Codes>
     for (int r = 0; r < R; ++r) y[(m0 + r) * ldy + n0 + b] = vsum(acc[b][r]);
 }
 
+// The lanes a dense tile accumulates on: V16 under AVX-512, single ymm registers under
+// AVX2 (16 ymm: a V16 takes two, so a V16 tile stops at 2 x 2, while on single ymm lanes a
+// 3 x 4 tile fits: 12 accumulators, 3 weights, 1 x, so 7 loads per 12 FMAs).
+// V16Lanes (16 lanes, as dot_block sums a group) is what a dequantized q4 / q8 block runs
+// on under both, so that its outputs stay bit-identical to dot_block's.
+#if CW_SIMD
+struct V16Lanes {
+  using T = V16;
+  static constexpr int64_t kWidth = 16;
+  static T zero() { return vzero(); }
+  static T load(const float* p) { return vload(p); }
+  static T load(const at::BFloat16* p) { return vload(p); }
+  static T fma(T a, T b, T c) { return vfmadd(a, b, c); }
+  static float sum(T a) { return vsum(a); }
+};
+#endif
 #if CW_SIMD == 2
-template <int NB, int R, typename W>
+using DenseLanes = V16Lanes;
+#elif CW_SIMD == 1
+struct DenseLanes {
+  using T = __m256;
+  static constexpr int64_t kWidth = 8;
+  static T zero() { return _mm256_setzero_ps(); }
+  static T load(const float* p) { return _mm256_loadu_ps(p); }
+  static T load(const at::BFloat16* p) { return bf16x8(p); }
+  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static float sum(T s) { return vsum(V16{s, _mm256_setzero_ps()}); }
+};
+#if !defined(CW_DENSE_N)
+#define CW_DENSE_N 3
+#define CW_DENSE_M 4
+#endif
+#else
+struct DenseLanes {};  // the scalar build's tiles do not use lanes
+#endif
+
+template <int NB, int R, typename L = DenseLanes, typename W>
 inline void dense_block(const W* w, int64_t k, const float* x, int64_t m, int64_t n0, float* y, int64_t ldy);
 
-// From CW_QDENSE_MIN_ROWS rows of x up (AVX-512), a block of weight rows is dequantized
+#if CW_SIMD
+
+// From CW_QDENSE_MIN_ROWS rows of x up, a block of weight rows is dequantized
 // once into an fp32 scratch (4 rows x K: 9 KB at K = 576, in L1) and multiplied by the
 // dense fp32 tile, instead of being dequantized again for every 3 rows of x (at 16 rows
 // that was 6 dequantizations per weight, more work than the FMAs). The same fp32 values
 // (fma(code, scale, zero), rounded once) meet the same x in the same order (each group's
 // low 16 then high 16, 16 lanes summed at the end), so each output is bit-identical to
-// dot_block's: a row's result still does not depend on its batch. AVX2's dense tile
-// accumulates 8 lanes, not 16, so AVX2 keeps dot_block at every row count.
+// dot_block's: a row's result still does not depend on its batch. The tile runs on
+// V16Lanes under AVX2 as well (two ymm per V16, the order dot_block sums in), not on the
+// 8-lane DenseLanes of AVX2's plain fp32 weights, whose sums would differ in the last bit.
 #if !defined(CW_QDENSE_MIN_ROWS)
 #define CW_QDENSE_MIN_ROWS 8
 #endif
@@ -308,8 +346,19 @@ inline void dense_block(const W* w, int64_t k, const float* x, int64_t m, int64_
 // of the ~400 oneDNN reaches) is mostly the 16-lane horizontal sum each output pays at
 // K = 576, the price of keeping every row's summation order the same in any batch.
 #if !defined(CW_QDENSE_N)
+#if CW_SIMD == 2
 #define CW_QDENSE_N 4
 #define CW_QDENSE_M 6
+#else
+// AVX2: 1 weight row x 4 rows of x (8 ymm accumulators, 2 for the weight, 2 for x).
+// Measured on an AVX2 EPYC (Zen 1, family 23), the same 120 projections + the Q8_0
+// lm_head, passive threads, medians of 11, ms at 8 / 16 rows: 1 x 4 64.8-68.0 /
+// 105.9-116.3, 2 x 3 68.7 / 112.0, 3 x 2 66.3 / 110.7, 1 x 5 76.2 / 122.0, 2 x 2 73.8 /
+// 124.0, 1 x 3 80.1 / 125.9, 2 x 4 (spills) 94.6 / 172.1; dot_block (dequantizing per 4
+// rows) 71.2-72.7 / 137.8-141.5. So 1.22-1.30x at 16 rows (W1's batched decode).
+#define CW_QDENSE_N 1
+#define CW_QDENSE_M 4
+#endif
 #endif
 
 template <bool Zero, typename Codes>
@@ -344,11 +393,11 @@ void dequant_dense_range(const float* x, int64_t m, int64_t k, int64_t n_begin, 
   int64_t n0 = n_begin;
   for (; n0 + NB <= n_end; n0 += NB) {
     dequant_block<Zero>(n0, NB, k, groups, codes, sp, zp, w);
-    dense_block<NB, R>(w, k, x, m, 0, y + n0, ldy);
+    dense_block<NB, R, V16Lanes>(w, k, x, m, 0, y + n0, ldy);
   }
   for (; n0 < n_end; ++n0) {
     dequant_block<Zero>(n0, 1, k, groups, codes, sp, zp, w);
-    dense_block<1, 1>(w, k, x, m, 0, y + n0, ldy);
+    dense_block<1, 1, V16Lanes>(w, k, x, m, 0, y + n0, ldy);
   }
 }
 #endif
@@ -357,7 +406,7 @@ void dequant_dense_range(const float* x, int64_t m, int64_t k, int64_t n_begin, 
 template <bool Zero, typename Codes>
 inline void dot_range(const float* x, int64_t m, int64_t k, int64_t n_begin, int64_t n_end, int64_t groups,
                       Codes codes, const at::Half* sp, const at::Half* zp, float* y, int64_t ldy) {
-#if CW_SIMD == 2
+#if CW_SIMD
   if (m >= CW_QDENSE_MIN_ROWS) return dequant_dense_range<Zero>(x, m, k, n_begin, n_end, groups, codes, sp, zp, y, ldy);
 #endif
   int64_t n0 = n_begin;
@@ -1267,42 +1316,12 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
 
 namespace {
 
-// The lanes a dense tile accumulates on: V16 under AVX-512, single ymm registers under
-// AVX2 (16 ymm: a V16 takes two, so a V16 tile stops at 2 x 2, while on single ymm lanes a
-// 3 x 4 tile fits: 12 accumulators, 3 weights, 1 x, so 7 loads per 12 FMAs).
-#if CW_SIMD == 2
-struct DenseLanes {
-  using T = V16;
-  static constexpr int64_t kWidth = 16;
-  static T zero() { return vzero(); }
-  static T load(const float* p) { return vload(p); }
-  static T load(const at::BFloat16* p) { return vload(p); }
-  static T fma(T a, T b, T c) { return vfmadd(a, b, c); }
-  static float sum(T a) { return vsum(a); }
-};
-#elif CW_SIMD == 1
-struct DenseLanes {
-  using T = __m256;
-  static constexpr int64_t kWidth = 8;
-  static T zero() { return _mm256_setzero_ps(); }
-  static T load(const float* p) { return _mm256_loadu_ps(p); }
-  static T load(const at::BFloat16* p) { return bf16x8(p); }
-  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
-  static float sum(T s) { return vsum(V16{s, _mm256_setzero_ps()}); }
-};
-#if !defined(CW_DENSE_N)
-#define CW_DENSE_N 3
-#define CW_DENSE_M 4
-#endif
-#endif
-
 // y[r, n0 + b] for NB weight rows x R rows of x: each weight load feeds R FMAs and each
 // x load NB (a 2 x 2 tile of V16 issues one load per FMA, the load ports' rate).
-template <int NB, int R, typename W>
+template <int NB, int R, typename L = DenseLanes, typename W>
 inline void dense_tile(const W* w, int64_t k, const float* x, int64_t n0, int64_t r0,
                        float* y, int64_t ldy) {
 #if CW_SIMD
-  using L = DenseLanes;
   typename L::T acc[NB][R];
   for (int b = 0; b < NB; ++b)
     for (int r = 0; r < R; ++r) acc[b][r] = L::zero();
@@ -1360,11 +1379,11 @@ struct DenseTiles<at::BFloat16> {
 
 // Weight rows [begin, end) against every row of x: blocks of NB (NBW) rows, each serving
 // all of x while it sits in L1.
-template <int NB, int R, typename W>
+template <int NB, int R, typename L, typename W>
 inline void dense_block(const W* w, int64_t k, const float* x, int64_t m, int64_t n0, float* y, int64_t ldy) {
   int64_t r0 = 0;
-  for (; r0 + R <= m; r0 += R) dense_tile<NB, R>(w, k, x, n0, r0, y, ldy);
-  for (; r0 < m; ++r0) dense_tile<NB, 1>(w, k, x, n0, r0, y, ldy);
+  for (; r0 + R <= m; r0 += R) dense_tile<NB, R, L>(w, k, x, n0, r0, y, ldy);
+  for (; r0 < m; ++r0) dense_tile<NB, 1, L>(w, k, x, n0, r0, y, ldy);
 }
 
 template <typename W>
@@ -1741,14 +1760,22 @@ constexpr int64_t kFaKeys = 64;  // keys per block: 4 V16
 // accumulators and 4 key vectors of 32 zmm; measured on the Zen 5 EPYC (9 heads of 64, 3
 // KV heads, causal, 2,048 / 4,096 tokens, medians of 7) 15.6 / 64.6 ms, against 23.3 /
 // 94.2 at 4 rows, 19.8 / 73.9 at 7 (spills) and torch's flash attention 36.1 / 144.5.
+// AVX2 (16 ymm, a V16 is two): 6 rows x 1 V16 of keys (12 accumulators, 2 key vectors, a
+// broadcast), the 64-key block in four such passes; measured on the AVX2 EPYC (Zen 3, same
+// shapes, medians of 5-7) 2.6 / 34.4 / 145 ms at 512 / 2,048 / 4,096 tokens against torch's
+// flash attention 4.9 / 47.7 / 192 (1.33-1.89x); 1 x 4 (the AVX-512 shape's one row) 2.9 /
+// 42.5 / 183, 2 x 2 48.2 at 2,048, 5 x 1 35.6 / 152, 7 x 1 (spills) 42.5 / 179.
 #if !defined(CW_FA_ROWS)
-#if CW_SIMD == 2
 #define CW_FA_ROWS 6
+#endif
+#if !defined(CW_FA_COLS)  // V16 of keys per register tile: 4, 2 or 1
+#if CW_SIMD == 2
+#define CW_FA_COLS 4
 #else
-#define CW_FA_ROWS 1
+#define CW_FA_COLS 1
 #endif
 #endif
-constexpr int kFaRows = CW_FA_ROWS;
+constexpr int kFaRows = CW_FA_ROWS, kFaCols = CW_FA_COLS;
 // Query rows (queries x the group's heads) per task: 96 against 48 (2.0x vs 2.3x torch's)
 // and 192 (level) on the Zen 5; 96 keeps short chunks split across threads.
 #if !defined(CW_FA_TASK_ROWS)
@@ -1819,8 +1846,11 @@ void flash_segment(const FlashArgs& a, const float* kt, int64_t ldk, const float
     const int64_t nb = std::min(kFaKeys, j_hi - j0);
     const float* kb = kt + jbase + j0;  // columns past nb hold other keys or padding: masked
     int64_t r0 = 0;
-    for (; r0 + kFaRows <= rows; r0 += kFaRows) fa_scores<kFaRows, 4>(w.qb.data(), kb, ldk, d, r0, w.s.data());
-    for (; r0 < rows; ++r0) fa_scores<1, 4>(w.qb.data(), kb, ldk, d, r0, w.s.data());
+    for (int64_t c = 0; c < 4; c += kFaCols) {  // kFaCols V16 of keys per register tile
+      for (r0 = 0; r0 + kFaRows <= rows; r0 += kFaRows)
+        fa_scores<kFaRows, kFaCols>(w.qb.data(), kb + c * 16, ldk, d, r0, w.s.data() + c * 16);
+      for (; r0 < rows; ++r0) fa_scores<1, kFaCols>(w.qb.data(), kb + c * 16, ldk, d, r0, w.s.data() + c * 16);
+    }
     for (int64_t r = 0; r < rows; ++r) {
       float* sr = w.s.data() + r * kFaKeys;
       const int64_t lo = std::max<int64_t>(0, w.lo[r] - j0), hi = std::min(nb, w.hi[r] - j0);
@@ -1853,13 +1883,13 @@ void flash_segment(const FlashArgs& a, const float* kt, int64_t ldk, const float
       }
     }
     const float* vb = v + (jbase + j0) * kstride + h * d;
-    for (int64_t c0 = 0; c0 < d / 16; c0 += 4) {
-      const int ct = static_cast<int>(std::min<int64_t>(4, d / 16 - c0));
+    for (int64_t c0 = 0; c0 < d / 16; c0 += kFaCols) {
+      const int ct = static_cast<int>(std::min<int64_t>(kFaCols, d / 16 - c0));
       r0 = 0;
-      if (ct == 4) {
+      if (ct == kFaCols) {
         for (; r0 + kFaRows <= rows; r0 += kFaRows)
-          fa_values<kFaRows, 4>(w.s.data(), vb, kstride, nb, r0, c0, w.o.data(), d);
-        for (; r0 < rows; ++r0) fa_values<1, 4>(w.s.data(), vb, kstride, nb, r0, c0, w.o.data(), d);
+          fa_values<kFaRows, kFaCols>(w.s.data(), vb, kstride, nb, r0, c0, w.o.data(), d);
+        for (; r0 < rows; ++r0) fa_values<1, kFaCols>(w.s.data(), vb, kstride, nb, r0, c0, w.o.data(), d);
       } else {
         for (; r0 < rows; ++r0)
           for (int c = 0; c < ct; ++c) fa_values<1, 1>(w.s.data(), vb, kstride, nb, r0, c0 + c, w.o.data(), d);

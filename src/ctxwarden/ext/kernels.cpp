@@ -314,10 +314,6 @@ struct DenseLanes {
   static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
   static float sum(T s) { return vsum(V16{s, _mm256_setzero_ps()}); }
 };
-#if !defined(CW_DENSE_N)
-#define CW_DENSE_N 3
-#define CW_DENSE_M 4
-#endif
 #else
 struct DenseLanes {};  // the scalar build's tiles do not use lanes
 #endif
@@ -1355,9 +1351,14 @@ inline void dense_tile(const W* w, int64_t k, const float* x, int64_t n0, int64_
 #if !defined(CW_DENSE_N1)
 #define CW_DENSE_N1 4  // weight rows per tile at one row of x (streams in flight)
 #endif
-#if !defined(CW_DENSE_N)
+#if !defined(CW_DENSE_N)  // fp32 / bf16 weights at several rows: AVX2's 3 x 4 ymm (DenseLanes)
+#if CW_SIMD == 1
+#define CW_DENSE_N 3
+#define CW_DENSE_M 4
+#else
 #define CW_DENSE_N 2
 #define CW_DENSE_M 2
+#endif
 #endif
 
 // Tile shapes per weight type: N1 weight rows at one row of x; NB x R at several rows,

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from ctxwarden.diagnostics.environment import read_cpu
-from ctxwarden.ext import kernels
-from ctxwarden.layers.linear import linear, pack_linear
+from ctxwarden.ext import has_vector_kernels, kernels
+from ctxwarden.layers.linear import QDENSE_NEVER, linear, pack_linear, qdense_min_rows
 from ctxwarden.layers.norm import rms_norm
 from ctxwarden.layers.quant import Q4, Q8, dequantize, from_gguf_blocks, quantize
 from ctxwarden.layers.rotary import apply_rotary
@@ -385,3 +385,51 @@ def test_prefill_flash_attention_refuses_what_it_cannot_run():
     q, k = torch.randn(4, 2, 16), torch.randn(4, 1, 16)
     with pytest.raises(RuntimeError, match="sink keys need q_sink"):
         ext.prefill_attention(q, k, k.clone(), 0, 0, 0, 0.2, None, 2)
+
+
+@pytest.mark.skipif(not has_vector_kernels(), reason="the scalar build has one q4/q8 path")
+@pytest.mark.parametrize("kind", [Q4, Q8])
+def test_the_panel_and_the_per_tile_path_give_the_same_bits(kind):
+    """qdense_min_rows picks between the two by speed alone: that is only sound while a
+    block of weight rows dequantized once (the panel) and every tile dequantizing its own
+    produce the same bits at every row count."""
+    torch.manual_seed(3)
+    q = quantize(torch.randn(203, 576) * 0.1, kind)
+    x = torch.randn(47, 576)
+
+    def run(rows):
+        return (ext.q4_linear(rows, q.codes, q.scale, q.zero) if kind == Q4
+                else ext.q8_linear(rows, q.codes, q.scale))
+
+    before = ext.set_qdense_min_rows(1)
+    try:
+        panel = {m: run(x[:m].contiguous()) for m in (1, 3, 8, 16, 47)}
+        ext.set_qdense_min_rows(QDENSE_NEVER)
+        for m, want in panel.items():
+            assert torch.equal(run(x[:m].contiguous()), want), m
+    finally:
+        ext.set_qdense_min_rows(before)
+
+
+def test_qdense_choice_is_timed_once_and_set_in_the_ext(monkeypatch):
+    rows, speed = qdense_min_rows()
+    if not has_vector_kernels():
+        assert (rows, speed) == (QDENSE_NEVER, None)
+        return
+    assert rows in (8, 16, QDENSE_NEVER) and set(speed) == {8, 16}
+    assert all(0.2 < s < 5 for s in speed.values()), speed  # a timing, not a constant
+    current = ext.set_qdense_min_rows(rows)
+    assert current == rows  # what the kernels run with now is what was chosen
+    monkeypatch.setenv("CTXWARDEN_QDENSE_MIN_ROWS", "sixteen")
+    qdense_min_rows.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="CTXWARDEN_QDENSE_MIN_ROWS must be a row count"):
+            qdense_min_rows()
+        monkeypatch.setenv("CTXWARDEN_QDENSE_MIN_ROWS", "0")
+        qdense_min_rows.cache_clear()
+        assert qdense_min_rows() == (QDENSE_NEVER, None)
+        assert ext.set_qdense_min_rows(rows) == QDENSE_NEVER
+    finally:
+        qdense_min_rows.cache_clear()
+        monkeypatch.delenv("CTXWARDEN_QDENSE_MIN_ROWS")
+        qdense_min_rows()  # timed again and set for the tests after this one

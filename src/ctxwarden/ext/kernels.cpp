@@ -323,7 +323,8 @@ inline void dense_block(const W* w, int64_t k, const float* x, int64_t m, int64_
 
 #if CW_SIMD
 
-// From CW_QDENSE_MIN_ROWS rows of x up, a block of weight rows is dequantized
+// From g_qdense_min_rows rows of x up (CW_QDENSE_MIN_ROWS until layers/linear.py has timed
+// both paths on this CPU and set it), a block of weight rows is dequantized
 // once into an fp32 scratch (4 rows x K: 9 KB at K = 576, in L1) and multiplied by the
 // dense fp32 tile, instead of being dequantized again for every 3 rows of x (at 16 rows
 // that was 6 dequantizations per weight, more work than the FMAs). The same fp32 values
@@ -356,6 +357,12 @@ inline void dense_block(const W* w, int64_t k, const float* x, int64_t m, int64_
 #define CW_QDENSE_M 4
 #endif
 #endif
+
+// The row count the panel starts at in this process. Both ways give the same bits, so it
+// is a speed choice only, and tiles that won on one CPU lost on another (2 x 3 and 3 x 4
+// panels lost to dot_block on a Zen 3 AVX2 EPYC): layers/linear.py's qdense_min_rows
+// times both here once per process and sets it (set_qdense_min_rows).
+std::atomic<int64_t> g_qdense_min_rows{CW_QDENSE_MIN_ROWS};
 
 template <bool Zero, typename Codes>
 inline void dequant_block(int64_t n0, int nb, int64_t k, int64_t groups, Codes codes, const at::Half* sp,
@@ -403,7 +410,8 @@ template <bool Zero, typename Codes>
 inline void dot_range(const float* x, int64_t m, int64_t k, int64_t n_begin, int64_t n_end, int64_t groups,
                       Codes codes, const at::Half* sp, const at::Half* zp, float* y, int64_t ldy) {
 #if CW_SIMD
-  if (m >= CW_QDENSE_MIN_ROWS) return dequant_dense_range<Zero>(x, m, k, n_begin, n_end, groups, codes, sp, zp, y, ldy);
+  if (m >= g_qdense_min_rows.load(std::memory_order_relaxed))
+    return dequant_dense_range<Zero>(x, m, k, n_begin, n_end, groups, codes, sp, zp, y, ldy);
 #endif
   int64_t n0 = n_begin;
   if (m == 1)
@@ -1740,6 +1748,18 @@ void decode_layer(at::Tensor& x, const std::vector<at::Tensor>& norms, double ep
 // the quantized linears 7.5-13x slower than a dense fp32 matvec at one row, 40x at 16 rows).
 std::string simd_level() { return CW_SIMD == 2 ? "avx512" : CW_SIMD == 1 ? "avx2" : "none"; }
 
+// Rows of x from which q4_linear / q8_linear dequantize a block of weight rows once (the
+// panel) instead of per tile of rows; returns the previous value. 0 in the scalar build,
+// which has one path.
+int64_t set_qdense_min_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 1, "the panel's first row count must be >= 1, got ", rows);
+#if CW_SIMD
+  return g_qdense_min_rows.exchange(rows);
+#else
+  return 0;
+#endif
+}
+
 // ---- prefill attention: flash attention over a chunk's keys ------------------------------
 // torch's CPU flash attention ran SmolLM2's causal prefill attention (9 heads of 64, 3 KV
 // heads) at ~110-125 GFLOP/s on a Zen 5 EPYC whose fp32 GEMMs reach ~400: its tiles are
@@ -2004,6 +2024,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // (/metrics, new requests) must keep running beside it, as it does beside torch's ops.
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("simd_level", &simd_level, "vector instruction set of this build");
+  m.def("set_qdense_min_rows", &set_qdense_min_rows, "rows from which q4/q8 dequantize weight rows once; returns the old");
   m.def("q4_linear", &q4_linear, nogil, "x @ dequant(q4)^T with fp32 activations");
   m.def("q8_linear", &q8_linear, nogil, "x @ dequant(q8)^T with fp32 activations");
   m.def("quantized_linear_int8", &quantized_linear_int8, nogil, "x @ dequant(q4 | q8)^T, x quantized to int8 per group",

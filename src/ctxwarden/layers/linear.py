@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from ctxwarden.ext import has_vector_kernels, kernels
-from ctxwarden.layers.quant import Q4, QuantizedWeight, dequantize
+from ctxwarden.layers.quant import Q4, QuantizedWeight, dequantize, quantize
 
 # Rows at which a quantized weight is dequantized for one dense GEMM instead of being
 # multiplied by the dequantizing kernel; a plain fp32 weight takes ext's dense_linear up
@@ -117,6 +117,8 @@ def pack_linear(weight: torch.Tensor | QuantizedWeight, enabled: bool = True,
     if isinstance(weight, QuantizedWeight):
         out_features, in_features = weight.shape
         if has_vector_kernels():
+            if not weight.int8_activations:
+                qdense_min_rows()  # times the two q4/q8 paths once per process, sets the faster
             return LinearWeight(weight.codes, False, out_features, in_features, weight, dense_dtype)
         weight = dequantize(weight)
     out_features, in_features = weight.shape
@@ -199,6 +201,57 @@ def fp32_gemm_backend() -> tuple[str, float | None]:
             samples.append(time.perf_counter() - start)
     ratio = statistics.median(times[mkl]) / statistics.median(times[onednn])
     return ("onednn" if ratio > 1 / 0.9 else "mkl"), ratio
+
+
+# Row counts qdense_min_rows times, and its answer for "never" (above any decode batch:
+# steps of DENSE_MIN_ROWS rows or more take the dense GEMM).
+_QDENSE_TRIAL_ROWS = (8, 16)
+QDENSE_NEVER = 1 << 30
+
+
+@lru_cache(maxsize=1)
+def qdense_min_rows() -> tuple[int, dict[int, float] | None]:
+    """(rows, {trial rows: panel's speed over the per-tile path}) for ext's q4 / q8 kernels with
+    fp32 activations, set in the ext: from `rows` rows of x up a block of weight rows is
+    dequantized once into L1 and run through a dense tile (the panel), below them every tile
+    of rows dequantizes its own (dot_block). Both give every output the same bits, so this
+    is speed only; on a Zen 1 the panel won at 16 rows (1.06-1.12x) and lost at 8
+    (0.71-0.99x), and other panel tiles lost on a Zen 3 (kernels.cpp). So it is timed here,
+    once per process (at the first quantized weight's load, ~0.2 s): q4_linear on a
+    SmolLM2-sized [1536, 576] weight at 8 and 16 rows, both ways interleaved, medians of 15
+    rounds of 3 calls (5 rounds flipped the answer on a noisy 2-vCPU host); rows is the
+    smallest trial count at which the panel's median wins, QDENSE_NEVER where it wins at
+    neither. $CTXWARDEN_QDENSE_MIN_ROWS (a row count, or 0 for never) decides without
+    timing. (QDENSE_NEVER, None) when the ext has no vector path.
+    """
+    ext = kernels()
+    if ext is None or not has_vector_kernels():
+        return QDENSE_NEVER, None
+    forced = os.environ.get("CTXWARDEN_QDENSE_MIN_ROWS", "").strip()
+    if forced:
+        if not forced.isdigit():
+            raise ValueError(f"CTXWARDEN_QDENSE_MIN_ROWS must be a row count (0: never), got {forced!r}; "
+                             "unset it to let ctxwarden time both q4/q8 paths on this CPU")
+        rows = int(forced) or QDENSE_NEVER
+        ext.set_qdense_min_rows(rows)
+        return rows, None
+    g = torch.Generator().manual_seed(0)
+    q = quantize(torch.randn(1536, 576, generator=g) * 0.05, Q4)
+    speed = {}
+    for m in _QDENSE_TRIAL_ROWS:
+        x = torch.randn(m, 576, generator=g)
+        times = {1: [], QDENSE_NEVER: []}
+        for _ in range(16):  # the first round warms up and is dropped
+            for start_rows, samples in times.items():
+                ext.set_qdense_min_rows(start_rows)
+                start = time.perf_counter()
+                for _ in range(3):
+                    ext.q4_linear(x, q.codes, q.scale, q.zero)
+                samples.append(time.perf_counter() - start)
+        speed[m] = statistics.median(times[QDENSE_NEVER][1:]) / statistics.median(times[1][1:])
+    rows = next((m for m in _QDENSE_TRIAL_ROWS if speed[m] > 1), QDENSE_NEVER)
+    ext.set_qdense_min_rows(rows)
+    return rows, speed
 
 
 # oneDNN caches one primitive (with its scratch memory) per distinct input shape, up to

@@ -1,4 +1,6 @@
-"""`ctxwarden count|fit|chunk` end to end, as a user runs them."""
+"""`ctxwarden count|fit|chunk` end to end, as a user runs them: the first test starts a real
+`python -m ctxwarden`; the rest call the same entry point in this process (the `cli` fixture
+in tests/conftest.py), which saves a new interpreter per run."""
 
 from __future__ import annotations
 
@@ -31,41 +33,42 @@ def test_count_default_tokenizer_matches_library(sample, smol):
     assert data["tokens"] == smol.count_prompt(sample) and data["tokenizer"]["kind"] == "gguf"
 
 
-def test_chunk_json_offsets(tmp_path, sample, cl100k):
+def test_chunk_json_offsets(tmp_path, sample, cl100k, cli):
     f = tmp_path / "doc.txt"
     f.write_text(sample, encoding="utf-8")
-    out = _run("chunk", str(f), "--tokenizer", "cl100k_base", "--max-tokens", "100", "--overlap", "10", "--json")
-    assert out.returncode == 0, out.stderr
-    chunks = json.loads(out.stdout)
+    rc, stdout, stderr = cli("chunk", f, "--tokenizer", "cl100k_base", "--max-tokens", "100", "--overlap", "10", "--json")
+    assert rc == 0, stderr
+    chunks = json.loads(stdout)
     assert len(chunks) > 5 and set(chunks[0]) == {"text", "start", "end", "tokens"}
     for c in chunks:
         assert sample[c["start"]:c["end"]] == c["text"] and cl100k.count(c["text"]) == c["tokens"] <= 100
 
 
-def test_fit_json_and_error_exit(sample, smol):
-    out = _run("fit", "-", "--window", "600", "--max-tokens", "100", "--strategy", "keep-tail-semantic", "--json",
-               stdin=sample)
-    assert out.returncode == 0, out.stderr
-    data = json.loads(out.stdout)
+def test_fit_json_and_error_exit(sample, smol, cli):
+    rc, stdout, stderr = cli("fit", "-", "--window", "600", "--max-tokens", "100", "--strategy",
+                             "keep-tail-semantic", "--json", stdin=sample)
+    assert rc == 0, stderr
+    data = json.loads(stdout)
     assert data["prompt_tokens"] == smol.count_prompt(data["text"]) <= 500
-    refused = _run("fit", "-", "--window", "600", "--max-tokens", "100", stdin=sample)
-    assert refused.returncode == 2 and "maximum context length is 600 tokens" in refused.stderr
+    rc, _, stderr = cli("fit", "-", "--window", "600", "--max-tokens", "100", stdin=sample)
+    assert rc == 2 and "maximum context length is 600 tokens" in stderr
 
 
-def test_unknown_tokenizer_is_a_clear_error():
-    out = _run("count", "-", "--tokenizer", "gpt-17", stdin="x")
-    assert out.returncode == 2 and "Available names:" in out.stderr and "cl100k_base" in out.stderr
+def test_unknown_tokenizer_is_a_clear_error(cli):
+    rc, _, stderr = cli("count", "-", "--tokenizer", "gpt-17", stdin="x")
+    assert rc == 2 and "Available names:" in stderr and "cl100k_base" in stderr
 
 
-def test_fit_ranker_flag_says_which_ran(emma):
+def test_fit_ranker_flag_says_which_ran(emma, cli):
     doc = emma[200_000:210_000] + "\n\nQuestion: Who was at the party?"
     for ranker, expected in ((None, "hybrid"), ("lexical", "lexical"), ("dense", "dense")):
         args = ["fit", "-", "--window", "800", "--strategy", "keep-tail-semantic", "--json"]
-        out = _run(*args, *(["--ranker", ranker] if ranker else []), stdin=doc)
-        assert out.returncode == 0, out.stderr
-        data = json.loads(out.stdout)
+        rc, stdout, stderr = cli(*args, *(["--ranker", ranker] if ranker else []), stdin=doc)
+        assert rc == 0, stderr
+        data = json.loads(stdout)
         assert data["ranker"] == expected and data["removed"] and "[...]" in data["text"]
-    plain = _run("fit", "-", "--window", "800", "--strategy", "keep-tail-semantic", "--ranker", "lexical", stdin=doc)
-    assert plain.returncode == 0 and "ranker lexical" in plain.stderr and "marked [...]" in plain.stderr
-    wrong = _run("fit", "-", "--window", "800", "--strategy", "truncate-head", "--ranker", "dense", stdin=doc)
-    assert wrong.returncode == 2 and "only applies to the keep-tail-semantic" in wrong.stderr
+    rc, _, stderr = cli("fit", "-", "--window", "800", "--strategy", "keep-tail-semantic", "--ranker", "lexical",
+                        stdin=doc)
+    assert rc == 0 and "ranker lexical" in stderr and "marked [...]" in stderr
+    rc, _, stderr = cli("fit", "-", "--window", "800", "--strategy", "truncate-head", "--ranker", "dense", stdin=doc)
+    assert rc == 2 and "only applies to the keep-tail-semantic" in stderr

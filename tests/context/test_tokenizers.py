@@ -8,7 +8,6 @@ import math
 import pytest
 from hypothesis import assume, given, settings
 
-from ctxwarden.spec.checkpoint import default_model_path
 from ctxwarden.context import tokenizers as tk
 from ctxwarden.context.tokenizers import load_tokenizer
 from ctxwarden.errors import UnknownTokenizer
@@ -22,11 +21,9 @@ MESSAGES = [{"role": "system", "content": "You answer in one line."},
 
 
 @pytest.fixture(scope="module")
-def hf_reference():
+def hf_reference(hf_smollm2_tokenizer):
     """transformers' own tokenizer for the default GGUF (the reference implementation)."""
-    transformers = pytest.importorskip("transformers")
-    path = default_model_path()
-    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return hf_smollm2_tokenizer
 
 
 def _real_texts(emma: str, python_docs: str) -> dict[str, str]:

@@ -65,17 +65,3 @@ def tiny_model_dir(tmp_path_factory):
     make_checkpoint(MakeModelOptions(arch="llama", out_dir=out, hidden_size=64, num_layers=2, num_heads=4,
                                      num_kv_heads=2, vocab_size=512, max_position=1024, with_tokenizer=True))
     return out
-
-
-@pytest.fixture
-def cli(capsys):
-    """Run `ctxwarden ARGS...` in this process (no new interpreter, no second torch import)."""
-    from ctxwarden.cli import main
-
-    def run(*args: str):
-        capsys.readouterr()  # drop anything printed before
-        rc = main([str(a) for a in args])
-        out = capsys.readouterr()
-        return rc, out.out, out.err
-
-    return run

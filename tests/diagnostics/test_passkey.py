@@ -47,3 +47,24 @@ def test_score_is_the_key_tokens_log_p(tiny_model_dir, tok):
     out = llm.generate([list(p.token_ids)], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
     assert score.logprob == pytest.approx(sum(lp.logprob for lp in out.prompt_logprobs[-p.num_key_tokens:]))
     assert score.logprob < 0
+
+
+def test_a_long_filler_gives_its_first_tokens_and_only_its_head_is_encoded(tok):
+    prose = "It is a truth universally acknowledged, that a single man in possession of a good fortune. " * 30_000
+    lengths = []
+
+    class Recording:  # the real tokenizer, noting how much text each encode gets
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+        def encode(self, text, *args, **kwargs):
+            lengths.append(len(text))
+            return tok.encode(text, *args, **kwargs)
+
+    p = build_passkey_prompt(Recording(), 600, 0.0, "48213", filler=prose)
+    head_text, _ = _chat_frame(tok)
+    start = len(tok.encode(head_text + INTRO)) + len(tok.encode(needle_text("48213")))
+    filler = list(p.token_ids[start:len(p.token_ids) - p.num_key_tokens])
+    first = tok.encode(prose[:20_000])
+    assert filler[:400] == first[:400]  # the text's own first tokens, in order
+    assert max(lengths) < len(prose) // 100  # a 2.7 MB filler is not encoded whole

@@ -41,11 +41,12 @@ def scored():
         austen = corpus_text()
     except FileNotFoundError as e:
         pytest.skip(str(e))
-    out = {}
+    out, prompt = {}, None
     for kv_dtype in ("fp32", "bf16", "fp8_e4m3"):
         llm = LLM(kv_memory="128MiB", dtype="fp32", weights="fp32", kv_dtype=kv_dtype,
                   enable_prefix_caching=False, max_batched_tokens=512)
-        prompt = build_passkey_prompt(llm.tokenizer, NUM_TOKENS, DEPTH, KEY, filler=austen[200_000:])
+        if prompt is None:  # one tokenizer: the same prompt for every KV dtype
+            prompt = build_passkey_prompt(llm.tokenizer, NUM_TOKENS, DEPTH, KEY, filler=austen[200_000:])
         result = llm.generate([list(prompt.token_ids)], SamplingParams(max_tokens=1, prompt_logprobs=1),
                               show_progress=False)[0]
         logprobs = [t.logprob for t in result.prompt_logprobs[1:-prompt.num_key_tokens]]

@@ -39,10 +39,9 @@ def test_cli_writes_a_checkpoint_transformers_loads(tmp_path):
     (["--arch", "llama", "--rope-scaling", "{bad"], "rope_scaling is not valid JSON"),
     (["--arch", "llama", "--vocab-size", "100"], "too small for a byte-level tokenizer"),
 ])
-def test_cli_refuses_bad_options(tmp_path, argv, message):
-    proc = subprocess.run([sys.executable, "-m", "ctxwarden", "make-model", "--out", str(tmp_path / "x"), *argv],
-                          capture_output=True, text=True)
-    assert proc.returncode == 2 and message in proc.stderr
+def test_cli_refuses_bad_options(tmp_path, argv, message, cli):
+    rc, _, stderr = cli("make-model", "--out", tmp_path / "x", *argv)
+    assert rc == 2 and message in stderr and not (tmp_path / "x").exists()
 
 
 def test_tokenizer_is_trained_on_the_shipped_text_wherever_it_runs(tmp_path):

@@ -78,6 +78,12 @@ def fp32_runner():
     return _runner("fp32")
 
 
+@pytest.fixture(scope="module")
+def fp32_perplexity(fp32_runner, excerpt_ids):
+    """The reference every mode's perplexity is compared with, computed once."""
+    return _perplexity(fp32_runner, excerpt_ids)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(ext is None, reason="the quantized kernels need ext/ (make install)")
 def test_auto_small_steps_reproduce_the_dequantized_fp32_model(fp32_runner, excerpt_ids):
@@ -92,8 +98,8 @@ def test_auto_small_steps_reproduce_the_dequantized_fp32_model(fp32_runner, exce
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
-def test_perplexity_stays_within_bound_of_fp32(fp32_runner, excerpt_ids, mode):
-    base = _perplexity(fp32_runner, excerpt_ids)
+def test_perplexity_stays_within_bound_of_fp32(fp32_perplexity, excerpt_ids, mode):
+    base = fp32_perplexity
     ppl = _perplexity(_runner(mode), excerpt_ids)
     print(f"{mode}: perplexity {ppl:.3f} vs fp32 {base:.3f} ({100 * (ppl / base - 1):+.2f}%)")
     assert 5 < base < 100  # a real model on real prose, not noise

@@ -13,8 +13,8 @@ requests whose prompt lengths are all different. Two things grew, and each is bo
 Measured: RssAnon of the server pid after a warm-up (one prompt per 64-row bucket, so every
 primitive shape exists) and after each round of new lengths, read once the engine went
 idle and trimmed (polled on /metrics' ctxwarden_heap_trims_total: no sleep). The KV pool
-(256 MiB, ~5,800 tokens, mapped on first touch) holds four of the longest prompts at once,
-so nothing is preempted, and the warm-up's ~8,000 prompt tokens (random ids: no prefix-cache
+(128 MiB, ~2,900 tokens, mapped on first touch) holds four of the longest prompts at once,
+so nothing is preempted, and the warm-up's ~4,100 prompt tokens (random ids: no prefix-cache
 hits; freed blocks are reused only once the free list is empty) touch every page of it, so
 later growth cannot be the pool filling up.
 
@@ -23,8 +23,10 @@ Tolerance: the least-squares slope over the post-warm-up readings must stay unde
 readings scatter by up to ~20 MB between rounds (in-process: 551, 551, 551, 551, 570, 546
 MB), which moves a slope over 48 requests by at most ~0.4 MB per request.
 
-Honest limits (measured 2026-12-02, loaded 2-vCPU Zen 4): at this reduced load (40-640
-tokens, 48 requests) the readings were flat in every variant tried: with the trim
+Honest limits (measured 2026-12-02, loaded 2-vCPU Zen 4, with prompts of 40-640 tokens and
+a 256 MiB pool; since 2026-12-06 prompts are 40-384 tokens and the pool 128 MiB, which took
+the test from 98 to ~55 s on a Zen 1): at that reduced load (48 requests) the readings were
+flat in every variant tried: with the trim
 [604 x 5]; trim disabled [697 x 5] (so the trim lowers RSS at rest by ~100 MB but this
 load does not reproduce the late creep); primitive cache uncapped [607, 626, 626, 626,
 596]; uncapped and unbucketed [587 x 5]. The test guards against linear growth returning;
@@ -47,7 +49,7 @@ import pytest
 from ctxwarden.spec.checkpoint import default_model_path
 
 BUCKET = 64
-MAX_LENGTH = 640  # prompts of 40-640 tokens: 10 buckets, 4 prompts a step (<= 2,048 rows)
+MAX_LENGTH = 384  # prompts of 40-384 tokens: 6 buckets, 4 prompts a step (<= 1,536 rows)
 # one prompt per bucket, then the longest, four at once (the largest step), twice
 WARMUP_LENGTHS = [10, 33] + [BUCKET * i + 1 + i % 7 for i in range(1, MAX_LENGTH // BUCKET)] + [MAX_LENGTH - 3] * 8
 MAX_SLOPE_MB_PER_REQUEST = 1.0  # see the module docstring
@@ -71,7 +73,7 @@ def server(free_port):
     env = {k: v for k, v in os.environ.items()
            if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
     proc = subprocess.Popen([sys.executable, "-m", "ctxwarden", "serve", "--port", str(port),
-                             "--kv-memory", "256MiB", "--log-level", "warning"], env=env,
+                             "--kv-memory", "128MiB", "--log-level", "warning"], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180

@@ -137,7 +137,10 @@ def test_redis_hung_then_killed_mid_run_every_request_completes(replicas, redis_
     second = _wave(killed_reader, range(8, 16))
     for r, s in zip(first + second, range(16)):
         _assert_same(r, expected[s])
-    assert killed_reader.metric("ctxwarden_kv_tier_breaker_state", tier="redis") == 2
+    # Not closed: open, or half-open where the 1 s cooldown ran out since its last failure
+    # (on a slow machine the second wave can take longer than that).
+    assert killed_reader.metric("ctxwarden_kv_tier_breaker_state", tier="redis") in (1, 2)
+    assert killed_reader.metric("ctxwarden_kv_tier_breaker_opens_total", tier="redis") >= 1
     redis_server.start()  # a restart: empty, same port
     _wait_breaker(killed_reader, 0)
     _complete(killed_reader, 16)  # computed again (Redis lost it), stored to the new server

@@ -36,6 +36,11 @@ class LogNormal:
         """P(X > x), computed directly so the upper tail keeps its precision."""
         return special.ndtr(-_z(x, theta[0], np.exp(theta[1])))
 
+    def cdf_sf(self, x: np.ndarray, theta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(cdf, sf) at x, equal to the two calls, with z computed once."""
+        z = _z(x, theta[0], np.exp(theta[1]))
+        return special.ndtr(z), special.ndtr(-z)
+
 
 class Gamma:
     """X ~ Gamma(shape k, scale s). theta = (ln k, ln s)."""
@@ -61,6 +66,10 @@ class Gamma:
     def sf(self, x: np.ndarray, theta: np.ndarray) -> np.ndarray:
         """P(X > x) as the regularised upper incomplete gamma function."""
         return special.gammaincc(np.exp(theta[0]), np.maximum(x, 0) / np.exp(theta[1]))
+
+    def cdf_sf(self, x: np.ndarray, theta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(cdf, sf) at x."""
+        return self.cdf(x, theta), self.sf(x, theta)
 
 
 class LogNormalMixture2:
@@ -113,6 +122,13 @@ class LogNormalMixture2:
         w = self.weight(theta)
         return (w * special.ndtr(-_z(x, theta[1], np.exp(theta[2])))
                 + (1 - w) * special.ndtr(-_z(x, theta[3], np.exp(theta[4]))))
+
+    def cdf_sf(self, x: np.ndarray, theta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(cdf, sf) at x, equal to the two calls, with each component's z computed once."""
+        w = self.weight(theta)
+        z1, z2 = _z(x, theta[1], np.exp(theta[2])), _z(x, theta[3], np.exp(theta[4]))
+        return (w * special.ndtr(z1) + (1 - w) * special.ndtr(z2),
+                w * special.ndtr(-z1) + (1 - w) * special.ndtr(-z2))
 
 
 def _z(x: np.ndarray, mu: float, sigma: float) -> np.ndarray:

@@ -217,10 +217,10 @@ def _maximise(candidate: Candidate, data: LengthCounts, start: np.ndarray):
 def discrete_pmf(candidate: Candidate, theta: np.ndarray, k: np.ndarray, cap: int) -> np.ndarray:
     """P(count == k) under the candidate, with the cap applied as the candidate says."""
     fam = candidate.family
-    lo, hi = k - 0.5, k + 0.5
+    n = len(k)
+    cdf, sf = fam.cdf_sf(np.concatenate([k - 0.5, k + 0.5]), theta)  # one pass over both edges
     # Subtract CDFs below the median and survival functions above it: the tail keeps its digits.
-    p = np.where(fam.cdf(lo, theta) < 0.5, fam.cdf(hi, theta) - fam.cdf(lo, theta),
-                 fam.sf(lo, theta) - fam.sf(hi, theta))
+    p = np.where(cdf[:n] < 0.5, cdf[n:] - cdf[:n], sf[:n] - sf[n:])
     if candidate.cap_mode == CAP_TRUNCATED:
         p = p / max(float(fam.cdf(np.array(cap + 0.5), theta)), 1e-300)
     elif candidate.cap_mode == CAP_CENSORED:

@@ -153,7 +153,7 @@ def test_metrics_answer_fast_during_a_long_prefill(compute_dir, free_port):
 
         async def scenario():
             long = asyncio.ensure_future(asyncio.to_thread(_complete, url, model, _ids(num_tokens, 3), 2, {}))
-            await asyncio.sleep(0.5)  # the 16,000-token step is running now
+            await asyncio.sleep(0.5)  # the long step is running now
             times = []
             async with httpx.AsyncClient(base_url=url, timeout=10) as client:
                 while not long.done() and len(times) < 20:

@@ -25,7 +25,7 @@ MB), which moves a slope over 48 requests by at most ~0.4 MB per request.
 
 Honest limits (measured 2026-12-02, loaded 2-vCPU Zen 4, with prompts of 40-640 tokens and
 a 256 MiB pool; since 2026-12-06 prompts are 40-384 tokens and the pool 128 MiB, which took
-the test from 98 to ~55 s on a Zen 1): at that reduced load (48 requests) the readings were
+the test from 98 to 64-73 s on a Zen 1): at that reduced load (48 requests) the readings were
 flat in every variant tried: with the trim
 [604 x 5]; trim disabled [697 x 5] (so the trim lowers RSS at rest by ~100 MB but this
 load does not reproduce the late creep); primitive cache uncapped [607, 626, 626, 626,

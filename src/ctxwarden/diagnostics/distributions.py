@@ -30,16 +30,20 @@ class LogNormal:
 
     def cdf(self, x: np.ndarray, theta: np.ndarray) -> np.ndarray:
         """P(X <= x)."""
-        return special.ndtr(_z(x, theta[0], np.exp(theta[1])))
+        return special.ndtr(self._z(x, theta))
 
     def sf(self, x: np.ndarray, theta: np.ndarray) -> np.ndarray:
         """P(X > x), computed directly so the upper tail keeps its precision."""
-        return special.ndtr(-_z(x, theta[0], np.exp(theta[1])))
+        return special.ndtr(-self._z(x, theta))
 
     def cdf_sf(self, x: np.ndarray, theta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(cdf, sf) at x, equal to the two calls, with z computed once."""
-        z = _z(x, theta[0], np.exp(theta[1]))
+        z = self._z(x, theta)
         return special.ndtr(z), special.ndtr(-z)
+
+    @staticmethod
+    def _z(x: np.ndarray, theta: np.ndarray) -> np.ndarray:
+        return _z(x, theta[0], np.exp(theta[1]))
 
 
 class Gamma:
@@ -113,22 +117,23 @@ class LogNormalMixture2:
 
     def cdf(self, x: np.ndarray, theta: np.ndarray) -> np.ndarray:
         """P(X <= x), the weighted sum of the components' CDFs."""
-        w = self.weight(theta)
-        return (w * special.ndtr(_z(x, theta[1], np.exp(theta[2])))
-                + (1 - w) * special.ndtr(_z(x, theta[3], np.exp(theta[4]))))
+        w, z1, z2 = self._zs(x, theta)
+        return w * special.ndtr(z1) + (1 - w) * special.ndtr(z2)
 
     def sf(self, x: np.ndarray, theta: np.ndarray) -> np.ndarray:
         """P(X > x), the weighted sum of the components' survival functions."""
-        w = self.weight(theta)
-        return (w * special.ndtr(-_z(x, theta[1], np.exp(theta[2])))
-                + (1 - w) * special.ndtr(-_z(x, theta[3], np.exp(theta[4]))))
+        w, z1, z2 = self._zs(x, theta)
+        return w * special.ndtr(-z1) + (1 - w) * special.ndtr(-z2)
 
     def cdf_sf(self, x: np.ndarray, theta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(cdf, sf) at x, equal to the two calls, with each component's z computed once."""
-        w = self.weight(theta)
-        z1, z2 = _z(x, theta[1], np.exp(theta[2])), _z(x, theta[3], np.exp(theta[4]))
+        w, z1, z2 = self._zs(x, theta)
         return (w * special.ndtr(z1) + (1 - w) * special.ndtr(z2),
                 w * special.ndtr(-z1) + (1 - w) * special.ndtr(-z2))
+
+    def _zs(self, x: np.ndarray, theta: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
+        """Component 1's weight and both components' z at x."""
+        return self.weight(theta), _z(x, theta[1], np.exp(theta[2])), _z(x, theta[3], np.exp(theta[4]))
 
 
 def _z(x: np.ndarray, mu: float, sigma: float) -> np.ndarray:

@@ -56,7 +56,8 @@ def hf_smollm2_tokenizer():
 @pytest.fixture(scope="session")
 def hf_smollm2(hf_smollm2_tokenizer):
     """transformers on the default model's GGUF (dequantized to fp32, eager attention), loaded
-    once per session (~5 s on a Zen 3 with the GGUF parsed once; 18 s without): (tokenizer, model). The reference of every SmolLM2 parity test."""
+    once per session (~5 s on a Zen 3 with the GGUF parsed once; 18 s without): (tokenizer,
+    model). The reference of every SmolLM2 parity test."""
     transformers = pytest.importorskip("transformers")
     import torch
 

@@ -8,7 +8,8 @@ per-layer time and the K/V bytes it read per second beside a buffer sum's rate: 
 is far above warm, the kernel waits on memory; where warm is far above the FMA bound, on
 its own loop.
 
-Run: .venv/bin/python benchmarks/decode_attention.py [--batch 16] [--keys 560] [--out FILE]
+Run: .venv/bin/python benchmarks/decode_attention.py [--batch 16] [--keys 560] [--ext OLD.so] [--out FILE]
+(side by side with an older build: copy its _build/*.so aside first, then alternate runs)
 """
 
 from __future__ import annotations
@@ -56,11 +57,13 @@ def main() -> None:
     ap.add_argument("--keys", type=int, default=560, help="keys per sequence (a multiple of 16)")
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--ext", type=Path, default=None,
+                    help="another build of the kernels (a .so, e.g. a saved copy of the last commit's) to time instead")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "decode_attention.json")
     args = ap.parse_args()
-    from ctxwarden.ext import kernels
+    from ctxwarden.ext import kernels, load_module
 
-    ext = kernels()
+    ext = kernels() if args.ext is None else load_module(args.ext)
     if ext is None:
         raise SystemExit("ext/ is not built: run make install")
     q = torch.randn(args.batch, HQ, HEAD_DIM)

@@ -38,12 +38,19 @@ def kernels():
     import torch  # noqa: F401  (the module links against torch's libraries)
 
     try:
-        loader = importlib.machinery.ExtensionFileLoader(MODULE_NAME, str(path))
-        spec = importlib.util.spec_from_file_location(MODULE_NAME, path, loader=loader)
-        module = importlib.util.module_from_spec(spec)
-        loader.exec_module(module)
+        return load_module(path)
     except (ImportError, OSError):
         return None
+
+
+def load_module(path: Path):
+    """Import a built kernels module from `path` (benchmarks time an older build this way)."""
+    import torch  # noqa: F401
+
+    loader = importlib.machinery.ExtensionFileLoader(MODULE_NAME, str(path))
+    spec = importlib.util.spec_from_file_location(MODULE_NAME, path, loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
     return module
 
 

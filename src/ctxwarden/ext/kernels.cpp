@@ -545,6 +545,16 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 // That is llama.cpp's method for its quantized matmuls (its own code is not used here); it
 // costs the activations' rounding (|x - d q| <= d / 2) and buys about half the instructions
 // per weight. Written in AVX2 instructions, which every AVX-512 CPU has too.
+#if !defined(CW_I8_GEMM_MIN_ROWS)
+#define CW_I8_GEMM_MIN_ROWS 16
+#endif
+// Rows at which quantized_linear_int8 takes the q4 GEMM (below: dot_block_i8's tiles);
+// set_i8_gemm_min_rows changes it (benchmarks/prefill_gemm.py times both side by side).
+namespace {
+std::atomic<int64_t> g_gemm_min_rows{CW_I8_GEMM_MIN_ROWS};
+inline int64_t gemm_min_rows() { return g_gemm_min_rows.load(std::memory_order_relaxed); }
+}  // namespace
+
 #if CW_SIMD
 namespace {
 
@@ -805,6 +815,148 @@ void linear_i8_range(const Int8Rows& xa, int64_t m, int64_t k, int64_t n_begin, 
   }
 }
 
+// ---- q4 x int8 at prefill sizes: a register-blocked GEMM, the same numbers -----------
+// dot_block_i8 reads each weight group once per tile of 4 weight rows x 2 input rows and
+// holds both in registers it does not have (AVX2: 16 ymm), so at 512 rows it runs at about
+// fp32 GEMM's rate. Here a panel of 16 weight rows is unpacked once per call to bytes laid
+// out [group][quad t][row][4 elements] (one ymm: 8 weight rows x elements 4t..4t+3), and
+// each 4-byte quad of an input row is broadcast against it: vpmaddubsw gives each weight
+// row's two pair sums in int16; a group's 8 quads add in int16 (|sum| <= 8 * 2 * 15 * 127
+// < 2^15) and one vpmaddwd makes the group's exact int32 sum for 8 weight rows at once.
+// The fp32 part repeats dot_block_i8's operations in its order (each group's sum scaled
+// into the accumulator lane it takes there, lanes reduced in hsum8f's tree, tail groups
+// per quad, the tail's zero points in a scalar), so a row's result is bit-identical
+// whichever kernel ran it (tests/runner/test_kernels.py) and a row still never depends on
+// its batch.
+constexpr int kGemmCols = 16;  // weight rows per panel (2 ymm)
+constexpr int kGemmRows = 4;   // input rows per tile
+
+struct Q4Panel {
+  std::vector<int32_t> quads;  // [groups][8][16]: quad t of weight row c (4 unsigned codes)
+  std::vector<float> sw, zw;   // [groups][16]
+};
+
+// Weight rows n0 .. n0 + cols (<= 16; the rest of the panel zero) unpacked into p.
+void pack_q4_panel(const uint8_t* codes, const at::Half* ws, const at::Half* wz, int64_t k, int64_t n0,
+                   int cols, Q4Panel& p) {
+  const int64_t groups = k / kGroup;
+  p.quads.assign(groups * 8 * kGemmCols, 0);
+  p.sw.assign(groups * kGemmCols, 0.f);
+  p.zw.assign(groups * kGemmCols, 0.f);
+  alignas(32) int32_t q[8];
+  for (int c = 0; c < cols; ++c) {
+    const uint8_t* row = codes + (n0 + c) * (k / 2);
+    for (int64_t g = 0; g < groups; ++g) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(q), unpack_q4(row + g * 16));
+      for (int t = 0; t < 8; ++t) p.quads[(g * 8 + t) * kGemmCols + c] = q[t];
+      p.sw[g * kGemmCols + c] = half_to_float(ws[(n0 + c) * groups + g]);
+      p.zw[g * kGemmCols + c] = half_to_float(wz[(n0 + c) * groups + g]);
+    }
+  }
+}
+
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// The lane dot_block_i8<Q4> accumulates group g into: its main loop's hadds order eight
+// groups [g0 g2 g4 g6 g1 g3 g5 g7]; a tail group spreads its quads over the lanes.
+inline int q4_lane(int64_t o) { return static_cast<int>((o % 2) * 4 + o / 2); }
+
+template <int R>
+void q4_gemm_tile(const Int8Rows& xa, int64_t k, int64_t m0, const Q4Panel& p, float* y, int64_t ldy,
+                  int64_t n0, int cols) {
+  const int64_t groups = k / kGroup, main = groups - groups % 8;
+  __m256 acc[R][8][2];  // [row][lane][panel half]
+  for (int r = 0; r < R; ++r)
+    for (int l = 0; l < 8; ++l) acc[r][l][0] = acc[r][l][1] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < main; ++g) {
+    __m256i s16[R][2];
+    const int32_t* quad = p.quads.data() + g * 8 * kGemmCols;
+    const int8_t* xg = xa.q.data() + m0 * k + g * kGroup;
+    {
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quad));
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quad + 8));
+      for (int r = 0; r < R; ++r) {
+        const __m256i xb = _mm256_set1_epi32(load_i32(xg + r * k));
+        s16[r][0] = _mm256_maddubs_epi16(w0, xb);
+        s16[r][1] = _mm256_maddubs_epi16(w1, xb);
+      }
+    }
+#pragma GCC unroll 1
+    for (int t = 1; t < 8; ++t) {
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quad + t * kGemmCols));
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quad + t * kGemmCols + 8));
+      for (int r = 0; r < R; ++r) {
+        const __m256i xb = _mm256_set1_epi32(load_i32(xg + r * k + t * 4));
+        s16[r][0] = _mm256_add_epi16(s16[r][0], _mm256_maddubs_epi16(w0, xb));
+        s16[r][1] = _mm256_add_epi16(s16[r][1], _mm256_maddubs_epi16(w1, xb));
+      }
+    }
+    const int lane = q4_lane(g % 8);
+    for (int h = 0; h < 2; ++h) {
+      const __m256 sw = _mm256_loadu_ps(p.sw.data() + g * kGemmCols + 8 * h);
+      const __m256 zw = _mm256_loadu_ps(p.zw.data() + g * kGemmCols + 8 * h);
+      for (int r = 0; r < R; ++r) {
+        const int64_t xi = (m0 + r) * groups + g;
+        const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r][h], ones));
+        __m256& a = acc[r][lane][h];
+        a = _mm256_fmadd_ps(f, _mm256_mul_ps(sw, _mm256_set1_ps(xa.d[xi])), a);
+        a = _mm256_fmadd_ps(zw, _mm256_set1_ps(xa.sum[xi]), a);
+      }
+    }
+  }
+  float zacc[R][kGemmCols] = {};
+  for (int64_t g = main; g < groups; ++g) {  // as dot_block_i8's tail: lane t gets quad t
+    const int32_t* quad = p.quads.data() + g * 8 * kGemmCols;
+    for (int r = 0; r < R; ++r) {
+      const int64_t xi = (m0 + r) * groups + g;
+      const float dx = xa.d[xi];
+      for (int h = 0; h < 2; ++h) {
+        const __m256 dwdx = _mm256_mul_ps(_mm256_loadu_ps(p.sw.data() + g * kGemmCols + 8 * h), _mm256_set1_ps(dx));
+        for (int t = 0; t < 8; ++t) {
+          int32_t xq4;
+          std::memcpy(&xq4, xa.q.data() + (m0 + r) * k + g * kGroup + t * 4, 4);
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quad + t * kGemmCols + 8 * h));
+          const __m256 f = _mm256_cvtepi32_ps(dot_u8_i8(w, _mm256_set1_epi32(xq4)));
+          acc[r][t][h] = _mm256_fmadd_ps(f, dwdx, acc[r][t][h]);
+        }
+      }
+      for (int c = 0; c < cols; ++c) zacc[r][c] += p.zw[g * kGemmCols + c] * xa.sum[xi];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float out[kGemmCols];
+    for (int h = 0; h < 2; ++h) {  // hsum8f's tree: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
+      const __m256* a = &acc[r][0][h];
+      auto at = [&](int l) { return a[l * 2]; };
+      const __m256 t0 = _mm256_add_ps(at(0), at(4)), t1 = _mm256_add_ps(at(1), at(5));
+      const __m256 t2 = _mm256_add_ps(at(2), at(6)), t3 = _mm256_add_ps(at(3), at(7));
+      _mm256_store_ps(out + 8 * h, _mm256_add_ps(_mm256_add_ps(t0, t2), _mm256_add_ps(t1, t3)));
+    }
+    for (int c = 0; c < cols; ++c) y[(m0 + r) * ldy + n0 + c] = out[c] + zacc[r][c];
+  }
+}
+
+void q4_gemm(const Int8Rows& xa, int64_t m, int64_t k, int64_t n, const uint8_t* cp, const at::Half* sp,
+             const at::Half* zp, float* yp) {
+  const int64_t panels = (n + kGemmCols - 1) / kGemmCols;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    Q4Panel p;
+    for (int64_t pi = begin; pi < end; ++pi) {
+      const int64_t n0 = pi * kGemmCols;
+      const int cols = static_cast<int>(std::min<int64_t>(kGemmCols, n - n0));
+      pack_q4_panel(cp, sp, zp, k, n0, cols, p);
+      int64_t m0 = 0;
+      for (; m0 + kGemmRows <= m; m0 += kGemmRows) q4_gemm_tile<kGemmRows>(xa, k, m0, p, yp, n, n0, cols);
+      for (; m0 < m; ++m0) q4_gemm_tile<1>(xa, k, m0, p, yp, n, n0, cols);
+    }
+  });
+}
+
 }  // namespace
 #endif  // CW_SIMD
 
@@ -819,11 +971,16 @@ at::Tensor quantized_linear_int8(const at::Tensor& x, const at::Tensor& codes, c
 #if CW_SIMD
   at::Tensor y = at::empty({m, n}, x.options());
   Int8Rows xa;
-  quantize_rows(x, xa, q4);
   const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
   const at::Half* sp = scale.data_ptr<at::Half>();
   const at::Half* zp = q4 ? zero->data_ptr<at::Half>() : nullptr;
   float* yp = y.data_ptr<float>();
+  if (q4 && m >= gemm_min_rows()) {
+    quantize_rows(x, xa, false);  // the GEMM reads the codes in element order
+    q4_gemm(xa, m, k, n, cp, sp, zp, yp);
+    return y;
+  }
+  quantize_rows(x, xa, q4);
   at::parallel_for(0, n, feature_grain(m, k), [&](int64_t begin, int64_t end) {
     if (q4) linear_i8_range<true>(xa, m, k, begin, end, cp, sp, zp, yp, n);
     else linear_i8_range<false>(xa, m, k, begin, end, cp, sp, zp, yp, n);
@@ -981,86 +1138,119 @@ void score_keys_any(const float* q, const T* kp, const int64_t* slots, int64_t r
   score_keys<0>(q, kp, slots, row, d, n, scale, out);
 }
 
-// out_g[c*16 .. c*16+16) = inv_g * sum_j p_g[j] v_j[c*16 ..) for GN query heads: one
-// 16-lane chunk of the head at a time, so the GN accumulators stay in registers (AVX2's 16
-// ymm cannot hold 3 heads x 4 chunks), each pass reading one cache line of each value row.
+// out_g[c*16 .. c*16+16) += sum_j p_g[j] v_j[c*16 ..) over one tile of keys, for GN query
+// heads of one KV head: the GN accumulators of one 16-lane chunk stay in registers (AVX2's
+// 16 ymm cannot hold 3 heads x 4 chunks), so the chunks take turns over the tile's rows,
+// which lie in L1 after the first chunk's pass.
 template <int GN, typename T>
-inline void weigh_values(const float* const* p, const float* inv, const T* vp,
-                         const int64_t* slots, int64_t row, int64_t n, int64_t c, float* const* out) {
+inline void weigh_values(const float* const* p, const T* vp, const int64_t* slots, int64_t row,
+                         int64_t n, int64_t c, float* const* out) {
   V16 acc[GN];
-  for (int g = 0; g < GN; ++g) acc[g] = vzero();
+  for (int g = 0; g < GN; ++g) acc[g] = vload(out[g] + c * 16);
   for (int64_t j = 0; j < n; ++j) {
     const V16 v = vload(vp + slots[j] * row + c * 16);
     for (int g = 0; g < GN; ++g) acc[g] = vfmadd(vset1(p[g][j]), v, acc[g]);
   }
-  for (int g = 0; g < GN; ++g) vstore(out[g] + c * 16, vmul(acc[g], vset1(inv[g])));
+  for (int g = 0; g < GN; ++g) vstore(out[g] + c * 16, acc[g]);
+}
+
+// Ask for the rows of the next tile (all KV heads: row elements each) while this one computes.
+template <typename T>
+inline void prefetch_rows(const T* base, const int64_t* slots, int64_t n, int64_t row) {
+  const int64_t bytes = row * static_cast<int64_t>(sizeof(T));
+  for (int64_t j = 0; j < n; ++j) {
+    const char* r = reinterpret_cast<const char*>(base + slots[j] * row);
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(r + b, _MM_HINT_T0);
+  }
 }
 #endif  // CW_SIMD
 
 constexpr int64_t kMaxGroup = 64;  // query heads per KV head (checked at the call)
+// Keys per tile: a tile's K (or V) rows, all KV heads of each (contiguous in the pool),
+// come from memory once, in address order within a page, and serve every query head from
+// L1 (SmolLM2: 16 x 768 B = 12 KB of fp32).
+constexpr int64_t kKeyTile = 16;
 
-// One (sequence, KV head): softmax over its keys for the `group` query heads sharing it.
-// Keys [0, num_sink) are scored against q_sink (StreamingLLM's re-positioned query).
+// Query heads [u0, u1) of one sequence (head u reads KV head u / group): softmax over its
+// keys, keys [0, num_sink) scored against q_sink (StreamingLLM's re-positioned query).
+// Every head's sums run in the same order whatever [u0, u1) is (the DecodeStack and the
+// per-layer call split heads differently and agree bit for bit): scores in 8-key blocks
+// from the start of each of the two key ranges, values one key after another.
 template <typename T>
-void decode_one_head(const DecodeArgs& a, const float* q, const float* q_sink, const T* kp,
-                     const T* vp, const int64_t* slots, int64_t num_keys, int64_t num_sink,
-                     int64_t h, float* out, std::vector<float>& scores, int64_t g_begin = 0,
-                     int64_t g_end = -1) {
-  const int64_t d = a.head_dim, row = a.num_kv_heads * d, g_count = a.group;
-  if (g_end < 0) g_end = g_count;
-  scores.resize(g_count * num_keys);
-  const T *kh = kp + h * d, *vh = vp + h * d;
+void decode_heads(const DecodeArgs& a, const float* q, const float* q_sink, const T* kp, const T* vp,
+                  const int64_t* slots, int64_t num_keys, int64_t num_sink, int64_t u0, int64_t u1,
+                  float* out, std::vector<float>& scores) {
+  const int64_t d = a.head_dim, row = a.num_kv_heads * d, g_count = a.group, nu = u1 - u0;
+  scores.resize(nu * num_keys + nu);
+  float *const sc = scores.data(), *const inv = sc + nu * num_keys;  // inv: 1 / each head's sum
 #if CW_SIMD
   const bool vec = d % 16 == 0;
 #else
   const bool vec = false;
 #endif
-  for (int64_t g = g_begin; g < g_end; ++g) {
-    const int64_t qo = (h * g_count + g) * d;
-    float* sg = scores.data() + g * num_keys;
-#if CW_SIMD
-    if (vec) {
-      score_keys_any(q_sink + qo, kh, slots, row, d, num_sink, a.scale, sg);
-      score_keys_any(q + qo, kh, slots + num_sink, row, d, num_keys - num_sink, a.scale, sg + num_sink);
-    }
-#endif
-    if (!vec)
-      for (int64_t j = 0; j < num_keys; ++j)
-        sg[j] = dot_head((j < num_sink ? q_sink : q) + qo, kh + slots[j] * row, d) * a.scale;
-    if (a.softcap > 0)
-      for (int64_t j = 0; j < num_keys; ++j) sg[j] = a.softcap * std::tanh(sg[j] / a.softcap);
-  }
-  float inv_total[kMaxGroup];
-  for (int64_t g = g_begin; g < g_end; ++g) {
-    float* sg = scores.data() + g * num_keys;
-    const float top = *std::max_element(sg, sg + num_keys);
-    inv_total[g] = 1.f / exp_sum(sg, num_keys, top);
-  }
-#if CW_SIMD
   if (vec) {
-    for (int64_t g0 = g_begin; g0 < g_end; g0 += 4) {
-      const int gn = static_cast<int>(std::min<int64_t>(4, g_end - g0));
-      const float* p[4];
-      float* o[4];
-      for (int g = 0; g < gn; ++g) {
-        p[g] = scores.data() + (g0 + g) * num_keys;
-        o[g] = out + (h * g_count + g0 + g) * d;
-      }
-      for (int64_t c = 0; c < d / 16; ++c) {
-        if (gn == 4) weigh_values<4>(p, inv_total + g0, vh, slots, row, num_keys, c, o);
-        else if (gn == 3) weigh_values<3>(p, inv_total + g0, vh, slots, row, num_keys, c, o);
-        else if (gn == 2) weigh_values<2>(p, inv_total + g0, vh, slots, row, num_keys, c, o);
-        else weigh_values<1>(p, inv_total + g0, vh, slots, row, num_keys, c, o);
+#if CW_SIMD
+    const int64_t h0 = u0 / g_count, h1 = (u1 - 1) / g_count + 1;  // the KV heads read
+    for (int part = 0; part < 2; ++part) {
+      const int64_t jb = part ? num_sink : 0, je = part ? num_keys : num_sink;
+      const float* qq = part ? q : q_sink;
+      for (int64_t j0 = jb; j0 < je; j0 += kKeyTile) {
+        const int64_t tn = std::min(kKeyTile, je - j0);
+        const int64_t next = std::min(kKeyTile, num_keys - j0 - tn);
+        if (next > 0) prefetch_rows(kp + h0 * d, slots + j0 + tn, next, (h1 - h0) * d);
+        for (int64_t u = u0; u < u1; ++u)
+          score_keys_any(qq + u * d, kp + (u / g_count) * d, slots + j0, row, d, tn, a.scale,
+                         sc + (u - u0) * num_keys + j0);
       }
     }
-    return;
-  }
 #endif
-  for (int64_t g = g_begin; g < g_end; ++g) {
-    float* o = out + (h * g_count + g) * d;
-    std::fill(o, o + d, 0.f);
-    for (int64_t j = 0; j < num_keys; ++j)
-      axpy_head(scores[g * num_keys + j] * inv_total[g], vh + slots[j] * row, o, d);
+  } else {
+    for (int64_t u = u0; u < u1; ++u)
+      for (int64_t j = 0; j < num_keys; ++j)
+        sc[(u - u0) * num_keys + j] =
+            dot_head((j < num_sink ? q_sink : q) + u * d, kp + (u / g_count) * d + slots[j] * row, d) * a.scale;
+  }
+  if (a.softcap > 0)
+    for (int64_t i = 0; i < nu * num_keys; ++i) sc[i] = a.softcap * std::tanh(sc[i] / a.softcap);
+  for (int64_t u = 0; u < nu; ++u) {
+    float* su = sc + u * num_keys;
+    inv[u] = 1.f / exp_sum(su, num_keys, *std::max_element(su, su + num_keys));
+  }
+  std::fill(out + u0 * d, out + u1 * d, 0.f);
+  if (vec) {
+#if CW_SIMD
+    const int64_t h0 = u0 / g_count, h1 = (u1 - 1) / g_count + 1;
+    for (int64_t j0 = 0; j0 < num_keys; j0 += kKeyTile) {
+      const int64_t tn = std::min(kKeyTile, num_keys - j0);
+      const int64_t next = std::min(kKeyTile, num_keys - j0 - tn);
+      if (next > 0) prefetch_rows(vp + h0 * d, slots + j0 + tn, next, (h1 - h0) * d);
+      for (int64_t u = u0; u < u1;) {  // runs of at most 4 heads sharing one KV head
+        const int64_t h = u / g_count, ue = std::min({u1, (h + 1) * g_count, u + 4});
+        const int gn = static_cast<int>(ue - u);
+        const float* p[4];
+        float* o[4];
+        for (int g = 0; g < gn; ++g) {
+          p[g] = sc + (u + g - u0) * num_keys + j0;
+          o[g] = out + (u + g) * d;
+        }
+        const T* vh = vp + h * d;
+        for (int64_t c = 0; c < d / 16; ++c) {
+          if (gn == 4) weigh_values<4>(p, vh, slots + j0, row, tn, c, o);
+          else if (gn == 3) weigh_values<3>(p, vh, slots + j0, row, tn, c, o);
+          else if (gn == 2) weigh_values<2>(p, vh, slots + j0, row, tn, c, o);
+          else weigh_values<1>(p, vh, slots + j0, row, tn, c, o);
+        }
+        u = ue;
+      }
+    }
+    for (int64_t u = u0; u < u1; ++u)
+      for (int64_t i = 0; i < d; i += 16) vstore(out + u * d + i, vmul(vload(out + u * d + i), vset1(inv[u - u0])));
+#endif
+  } else {
+    for (int64_t u = u0; u < u1; ++u)
+      for (int64_t j = 0; j < num_keys; ++j)
+        axpy_head(sc[(u - u0) * num_keys + j] * inv[u - u0], vp + (u / g_count) * d + slots[j] * row,
+                  out + u * d, d);
   }
 }
 
@@ -1076,17 +1266,19 @@ void decode_attention_impl(const DecodeArgs& a, const at::Tensor& q, const at::T
   const int64_t *sp = slots.data_ptr<int64_t>(), *np = num_keys.data_ptr<int64_t>();
   const int64_t* nsp = num_sink.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
-  // One task per (sequence, KV head); small steps stay on one thread (no wake-up).
+  // One task per sequence (its rows read once, in order, for all heads) where there are
+  // sequences enough to share; else per (sequence, KV head). Small steps stay on one thread.
   int64_t keys = 0;
   for (int64_t s = 0; s < b; ++s) keys += np[s];
-  const int64_t work = b * a.num_kv_heads;
+  const int64_t parts = b >= 2 * at::get_num_threads() ? 1 : a.num_kv_heads;
+  const int64_t work = b * parts, heads = hq / parts;
   const int64_t grain = keys * hq * d < (1 << 18) ? work : 1;
   at::parallel_for(0, work, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t s = t / a.num_kv_heads, h = t % a.num_kv_heads;
-      decode_one_head<T>(a, qp + s * hq * d, qsp + s * hq * d, kp, vp, sp + s * width, np[s],
-                         nsp[s], h, op + s * hq * d, scores);  // heads h*G .. h*G+G-1
+      const int64_t s = t / parts, u0 = (t % parts) * heads;
+      decode_heads<T>(a, qp + s * hq * d, qsp + s * hq * d, kp, vp, sp + s * width, np[s], nsp[s], u0,
+                      u0 + heads, op + s * hq * d, scores);
     }
   });
 }
@@ -1661,18 +1853,17 @@ void run_layers(const StackShape& sh, const LayerParts* layers, int64_t n, at::T
       }
       barrier.wait(team);
       const void *kp = l.k_pool.data_ptr(), *vp = l.v_pool.data_ptr();
-      for (int64_t u = ub; u < ue;) {  // consecutive heads of one KV head in one call
-        const int64_t s = u / hq, head = u % hq, kvh = head / a.group, g0 = head % a.group;
-        const int64_t g1 = std::min(a.group, g0 + (ue - u));
+      for (int64_t u = ub; u < ue;) {  // this thread's heads of one sequence in one call
+        const int64_t s = u / hq, u0 = u % hq, u1 = std::min(hq, u0 + (ue - u));
         const float* qs = qp + s * hq * d;
         if (sh.bf16_pool)
-          decode_one_head<at::BFloat16>(a, qs, qs, static_cast<const at::BFloat16*>(kp),
-                                        static_cast<const at::BFloat16*>(vp), sp + s * width, np[s], nsp[s], kvh,
-                                        attnp + s * hq * d, scratch.scores, g0, g1);
+          decode_heads<at::BFloat16>(a, qs, qs, static_cast<const at::BFloat16*>(kp),
+                                     static_cast<const at::BFloat16*>(vp), sp + s * width, np[s], nsp[s], u0, u1,
+                                     attnp + s * hq * d, scratch.scores);
         else
-          decode_one_head<float>(a, qs, qs, static_cast<const float*>(kp), static_cast<const float*>(vp),
-                                 sp + s * width, np[s], nsp[s], kvh, attnp + s * hq * d, scratch.scores, g0, g1);
-        u += g1 - g0;
+          decode_heads<float>(a, qs, qs, static_cast<const float*>(kp), static_cast<const float*>(vp),
+                              sp + s * width, np[s], nsp[s], u0, u1, attnp + s * hq * d, scratch.scores);
+        u += u1 - u0;
       }
       barrier.wait(team);
       project(l.pj[1], attnp, op);
@@ -2027,6 +2218,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_qdense_min_rows", &set_qdense_min_rows, "rows from which q4/q8 dequantize weight rows once; returns the old");
   m.def("q4_linear", &q4_linear, nogil, "x @ dequant(q4)^T with fp32 activations");
   m.def("q8_linear", &q8_linear, nogil, "x @ dequant(q8)^T with fp32 activations");
+  m.def("set_i8_gemm_min_rows", [](int64_t rows) { return g_gemm_min_rows.exchange(std::max<int64_t>(1, rows)); },
+        "rows from which quantized_linear_int8 runs q4 weights as a GEMM (same numbers); returns the old value");
   m.def("quantized_linear_int8", &quantized_linear_int8, nogil, "x @ dequant(q4 | q8)^T, x quantized to int8 per group",
         py::arg("x"), py::arg("codes"), py::arg("scale"), py::arg("zero") = py::none());
   m.def("dense_linear", &dense_linear, nogil, "x @ w^T for a plain fp32 weight at a few rows");

@@ -941,19 +941,25 @@ void q4_gemm_tile(const Int8Rows& xa, int64_t k, int64_t m0, const Q4Panel& p, f
   }
 }
 
+// Weight rows [begin, end) against every row of x (quantized in element order): panels of
+// 16 from begin (a row's result does not depend on which panel holds it).
+void q4_gemm_range(const Int8Rows& xa, int64_t m, int64_t k, int64_t begin, int64_t end, const uint8_t* cp,
+                   const at::Half* sp, const at::Half* zp, float* yp, int64_t ldy, Q4Panel& p) {
+  for (int64_t n0 = begin; n0 < end; n0 += kGemmCols) {
+    const int cols = static_cast<int>(std::min<int64_t>(kGemmCols, end - n0));
+    pack_q4_panel(cp, sp, zp, k, n0, cols, p);
+    int64_t m0 = 0;
+    for (; m0 + kGemmRows <= m; m0 += kGemmRows) q4_gemm_tile<kGemmRows>(xa, k, m0, p, yp, ldy, n0, cols);
+    for (; m0 < m; ++m0) q4_gemm_tile<1>(xa, k, m0, p, yp, ldy, n0, cols);
+  }
+}
+
 void q4_gemm(const Int8Rows& xa, int64_t m, int64_t k, int64_t n, const uint8_t* cp, const at::Half* sp,
              const at::Half* zp, float* yp) {
   const int64_t panels = (n + kGemmCols - 1) / kGemmCols;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     Q4Panel p;
-    for (int64_t pi = begin; pi < end; ++pi) {
-      const int64_t n0 = pi * kGemmCols;
-      const int cols = static_cast<int>(std::min<int64_t>(kGemmCols, n - n0));
-      pack_q4_panel(cp, sp, zp, k, n0, cols, p);
-      int64_t m0 = 0;
-      for (; m0 + kGemmRows <= m; m0 += kGemmRows) q4_gemm_tile<kGemmRows>(xa, k, m0, p, yp, n, n0, cols);
-      for (; m0 < m; ++m0) q4_gemm_tile<1>(xa, k, m0, p, yp, n, n0, cols);
-    }
+    q4_gemm_range(xa, m, k, begin * kGemmCols, std::min(n, end * kGemmCols), cp, sp, zp, yp, n, p);
   });
 }
 
@@ -1688,6 +1694,7 @@ Projection projection_of(int64_t mode, const at::Tensor* t) {
 struct ThreadScratch {
 #if CW_SIMD
   Int8Rows xa;
+  Q4Panel panel;
 #endif
   std::vector<float> scores;
 };
@@ -1703,9 +1710,11 @@ void project_rows(const Projection& p, const float* x, int64_t m, int64_t begin,
   }
 #if CW_SIMD
   size_rows(s.xa, m, p.k);
-  quantize_row_range(x, p.k, 0, m, s.xa, p.mode == 3);  // each thread its own copy: K*m, tiny
+  const bool gemm = p.mode == 3 && m >= gemm_min_rows();  // as quantized_linear_int8 chooses
+  quantize_row_range(x, p.k, 0, m, s.xa, p.mode == 3 && !gemm);  // each thread its own copy: K*m, tiny
   const auto* cp = static_cast<const uint8_t*>(p.codes);
-  if (p.mode == 3) linear_i8_range<true>(s.xa, m, p.k, begin, end, cp, p.scale, p.zero, y, p.n);
+  if (gemm) q4_gemm_range(s.xa, m, p.k, begin, end, cp, p.scale, p.zero, y, p.n, s.panel);
+  else if (p.mode == 3) linear_i8_range<true>(s.xa, m, p.k, begin, end, cp, p.scale, p.zero, y, p.n);
   else linear_i8_range<false>(s.xa, m, p.k, begin, end, cp, p.scale, nullptr, y, p.n);
 #endif
 }

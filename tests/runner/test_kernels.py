@@ -6,6 +6,8 @@ and the rest of the suite runs the plain-torch fallbacks.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -453,3 +455,19 @@ def test_qdense_choice_is_timed_once_and_set_in_the_ext(monkeypatch):
         qdense_min_rows.cache_clear()
         monkeypatch.delenv("CTXWARDEN_QDENSE_MIN_ROWS")
         qdense_min_rows()  # timed again and set for the tests after this one
+
+
+def test_load_module_refuses_to_time_the_loaded_build_in_place_of_another(tmp_path):
+    """A second build of the kernels in a process that holds one comes back as the one
+    already loaded (same soname), so an A/B in one process would time a build against
+    itself: load_module says so instead of returning it."""
+    import shutil
+
+    from ctxwarden.ext import load_module
+
+    copy = tmp_path / "other" / Path(ext.__file__).name
+    copy.parent.mkdir()
+    shutil.copy(ext.__file__, copy)
+    with pytest.raises(RuntimeError, match="already loaded"):
+        load_module(copy)
+    assert load_module(Path(ext.__file__)) is ext

@@ -51,6 +51,10 @@ def load_module(path: Path):
     spec = importlib.util.spec_from_file_location(MODULE_NAME, path, loader=loader)
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
+    if Path(module.__file__).resolve() != Path(path).resolve():
+        # the dynamic loader hands back a library of the same soname already in the process
+        raise RuntimeError(f"{path}: another build of {MODULE_NAME} ({module.__file__}) is already loaded "
+                           "in this process and would be timed instead; load this one in a fresh process")
     return module
 
 

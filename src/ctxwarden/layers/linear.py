@@ -25,7 +25,8 @@ Three layouts (`LinearWeight.kind`):
   (prefill) dequantize the weight for the call and run one dense GEMM instead: the
   dequantization is then a few percent of the matmul, and dense GEMMs are far faster per
   row than a dequantizing kernel. A weight loaded with int8 activations
-  (weights="auto-int8act") takes the integer kernel at every row count instead: each
+  (weights="auto-int8act") takes the integer kernels at every row count instead (q4:
+  the 4 x 2 tiles below 16 rows, the GEMM from 16, bit-identical to each other): each
   row's result is then the same in any batch and at any step size, so chunking,
   batching and recompute after preemption reproduce one another exactly.
 

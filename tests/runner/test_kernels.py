@@ -307,7 +307,8 @@ def test_whole_step_and_layer_calls_are_bit_identical_to_the_python_calls(weight
     pools = [p.clone() for p in runner.kv_cache._tensors()]
     whole_step, whole_args = model._whole_step, model._whole_layer_args
     steps, layers = [], []
-    model._whole_step = lambda *a: steps.append(whole_step(*a)) or steps[-1]
+    record_step = lambda *a: steps.append(whole_step(*a)) or steps[-1]  # noqa: E731
+    model._whole_step = record_step
     model._whole_layer_args = lambda *a: layers.append(whole_args(*a)) or layers[-1]
     results = []
     for path in ("stack", "layer", "python"):
@@ -322,7 +323,7 @@ def test_whole_step_and_layer_calls_are_bit_identical_to_the_python_calls(weight
     assert steps[0][0].num_layers == model.spec.num_layers
     assert len(layers) == model.spec.num_layers and all(a is not None for a in layers)
     if weights == "auto-int8act":  # three rows take the tiles; the GEMM from one row must match
-        model._whole_step, model._whole_layer_args = lambda *a: steps.append(whole_step(*a)) or steps[-1], whole_args
+        model._whole_step, model._whole_layer_args = record_step, whole_args
         previous = ext.set_i8_gemm_min_rows(1)
         try:
             for p, saved in zip(runner.kv_cache._tensors(), pools):

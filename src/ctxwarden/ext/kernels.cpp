@@ -678,6 +678,16 @@ inline __m256i dot_u8_i8(__m256i w, __m256i x) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
 }
 
+// The lane dot_block_i8<Q4> accumulates group g into, o = g % 8: its main loop's hadds
+// order eight groups [g0 g2 g4 g6 g1 g3 g5 g7]; a tail group takes the lane its o would.
+inline int q4_lane(int64_t o) { return static_cast<int>((o % 2) * 4 + o / 2); }
+
+// All ones in lane l, zeros elsewhere (x & mask: x in lane l; fma(x & mask, s, a) leaves a's
+// other lanes as they are).
+inline __m256 lane_mask(int l) {
+  return _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(l)));
+}
+
 // y[m0..m0+R, n0..n0+NB] with int8 activations; Q4: unsigned codes plus zero points,
 // else signed q8 codes (vpmaddubsw needs one unsigned operand: |w| against x * sign(w)).
 template <bool Q4, int NB, int R>
@@ -686,9 +696,8 @@ inline void dot_block_i8(const Int8Rows& xa, int64_t k, int64_t m0, int64_t n0, 
                          float* y, int64_t ldy) {
   const int64_t row_bytes = Q4 ? k / 2 : k;
   __m256 acc[NB][R];
-  float zacc[NB][R];
   for (int b = 0; b < NB; ++b)
-    for (int r = 0; r < R; ++r) acc[b][r] = _mm256_setzero_ps(), zacc[b][r] = 0.f;
+    for (int r = 0; r < R; ++r) acc[b][r] = _mm256_setzero_ps();
   // Eight groups at a time: their int32 dot products reduced into one vector of eight
   // group sums, converted and scaled once, with the eight groups' scales (and zero points)
   // as vectors; weights unpacked once per block for all R rows.
@@ -769,21 +778,31 @@ inline void dot_block_i8(const Int8Rows& xa, int64_t k, int64_t m0, int64_t n0, 
       dw[b] = half_to_float(ws[(n0 + b) * groups + g]);
       if (Q4) zw[b] = half_to_float(wz[(n0 + b) * groups + g]);
     }
+    // q4: the group's exact sum goes whole into the lane a main-loop group g would take
+    // (q4_lane), scaled and then its zero point added there, which is what lets q4_gemm_tile
+    // take every group alike; q8: lane t gets the group's quad t.
+    const __m256 lane = Q4 ? lane_mask(q4_lane(g % 8)) : _mm256_setzero_ps();
     for (int r = 0; r < R; ++r) {
       const int64_t xi = (m0 + r) * groups + g;
       const __m256i xq = Q4 ? paired_group(xa.q.data() + (m0 + r) * k, g, groups)
                             : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xa.q.data() + xi * kGroup));
       const float dx = xa.d[xi];
       for (int b = 0; b < NB; ++b) {
-        const __m256i p = Q4 ? dot_u8_i8(w[b], xq)
-                             : dot_u8_i8(_mm256_sign_epi8(w[b], w[b]), _mm256_sign_epi8(xq, w[b]));
-        acc[b][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw[b] * dx), acc[b][r]);
-        if (Q4) zacc[b][r] += zw[b] * xa.sum[xi];
+        if constexpr (Q4) {
+          const float sum = hsum8f(_mm256_cvtepi32_ps(dot_u8_i8(w[b], xq)));  // exact: |sum| < 2^16
+          acc[b][r] = _mm256_fmadd_ps(_mm256_and_ps(_mm256_set1_ps(sum), lane), _mm256_set1_ps(dw[b] * dx),
+                                      acc[b][r]);
+          acc[b][r] = _mm256_fmadd_ps(_mm256_and_ps(_mm256_set1_ps(zw[b]), lane), _mm256_set1_ps(xa.sum[xi]),
+                                      acc[b][r]);
+        } else {
+          const __m256i p = dot_u8_i8(_mm256_sign_epi8(w[b], w[b]), _mm256_sign_epi8(xq, w[b]));
+          acc[b][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw[b] * dx), acc[b][r]);
+        }
       }
     }
   }
   for (int b = 0; b < NB; ++b)
-    for (int r = 0; r < R; ++r) y[(m0 + r) * ldy + n0 + b] = hsum8f(acc[b][r]) + zacc[b][r];
+    for (int r = 0; r < R; ++r) y[(m0 + r) * ldy + n0 + b] = hsum8f(acc[b][r]);
 }
 
 // Tile of the int8 kernels: 4 weight rows x 2 input rows. Measured on the AVX2 EPYC (q4,
@@ -824,10 +843,11 @@ void linear_i8_range(const Int8Rows& xa, int64_t m, int64_t k, int64_t n_begin, 
 // row's two pair sums in int16; a group's 8 quads add in int16 (|sum| <= 8 * 2 * 15 * 127
 // < 2^15) and one vpmaddwd makes the group's exact int32 sum for 8 weight rows at once.
 // The fp32 part repeats dot_block_i8's operations in its order (each group's sum scaled
-// into the accumulator lane it takes there, lanes reduced in hsum8f's tree, tail groups
-// per quad, the tail's zero points in a scalar), so a row's result is bit-identical
-// whichever kernel ran it (tests/runner/test_kernels.py) and a row still never depends on
-// its batch.
+// into the accumulator lane it takes there, then its zero point; lanes reduced in hsum8f's
+// tree), so a row's result is bit-identical whichever kernel ran it
+// (tests/runner/test_kernels.py) and a row still never depends on its batch. Tail groups
+// (past the last 8) take the lane of their position mod 8 in both kernels, so here every
+// group runs the same loop; the first 8 groups start their lanes (a multiply, no zeroing).
 constexpr int kGemmCols = 16;  // weight rows per panel (2 ymm)
 constexpr int kGemmRows = 4;   // input rows per tile
 
@@ -836,10 +856,52 @@ struct Q4Panel {
   std::vector<float> sw, zw;   // [groups][16]
 };
 
-// Weight rows n0 .. n0 + cols (<= 16; the rest of the panel zero) unpacked into p.
+// Eight vectors of 8 x 32 bits, transposed in place: v[t] lane c <- v[c] lane t.
+inline void transpose8x8(__m256* v) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    v[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
+// Weight rows n0 .. n0 + cols (<= 16; the rest of the panel zero) unpacked into p. A full
+// panel takes each group of 8 rows as eight unpacked vectors transposed (quad t of the 8
+// rows in one vector): about a quarter of the scalar scatter's time, which at 16 rows was
+// a third of the call.
 void pack_q4_panel(const uint8_t* codes, const at::Half* ws, const at::Half* wz, int64_t k, int64_t n0,
                    int cols, Q4Panel& p) {
   const int64_t groups = k / kGroup;
+  if (cols == kGemmCols) {  // every entry is written below: no zeroing
+    p.quads.resize(groups * 8 * kGemmCols);
+    p.sw.resize(groups * kGemmCols);
+    p.zw.resize(groups * kGemmCols);
+    for (int64_t g = 0; g < groups; ++g) {
+      for (int h = 0; h < 2; ++h) {
+        __m256 v[8];
+        for (int c = 0; c < 8; ++c)
+          v[c] = _mm256_castsi256_ps(unpack_q4(codes + (n0 + 8 * h + c) * (k / 2) + g * 16));
+        transpose8x8(v);
+        for (int t = 0; t < 8; ++t)
+          _mm256_storeu_ps(reinterpret_cast<float*>(p.quads.data() + (g * 8 + t) * kGemmCols + 8 * h), v[t]);
+      }
+      for (int c = 0; c < kGemmCols; ++c) {
+        p.sw[g * kGemmCols + c] = half_to_float(ws[(n0 + c) * groups + g]);
+        p.zw[g * kGemmCols + c] = half_to_float(wz[(n0 + c) * groups + g]);
+      }
+    }
+    return;
+  }
   p.quads.assign(groups * 8 * kGemmCols, 0);
   p.sw.assign(groups * kGemmCols, 0.f);
   p.zw.assign(groups * kGemmCols, 0.f);
@@ -861,19 +923,16 @@ inline int32_t load_i32(const int8_t* p) {
   return v;
 }
 
-// The lane dot_block_i8<Q4> accumulates group g into: its main loop's hadds order eight
-// groups [g0 g2 g4 g6 g1 g3 g5 g7]; a tail group spreads its quads over the lanes.
-inline int q4_lane(int64_t o) { return static_cast<int>((o % 2) * 4 + o / 2); }
 
 template <int R>
 void q4_gemm_tile(const Int8Rows& xa, int64_t k, int64_t m0, const Q4Panel& p, float* y, int64_t ldy,
                   int64_t n0, int cols) {
-  const int64_t groups = k / kGroup, main = groups - groups % 8;
+  const int64_t groups = k / kGroup;
   __m256 acc[R][8][2];  // [row][lane][panel half]
-  for (int r = 0; r < R; ++r)
-    for (int l = 0; l < 8; ++l) acc[r][l][0] = acc[r][l][1] = _mm256_setzero_ps();
+  for (int64_t o = groups; o < 8; ++o)  // lanes no group reaches (fewer than 8 groups)
+    for (int r = 0; r < R; ++r) acc[r][q4_lane(o)][0] = acc[r][q4_lane(o)][1] = _mm256_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t g = 0; g < main; ++g) {
+  for (int64_t g = 0; g < groups; ++g) {
     __m256i s16[R][2];
     const int32_t* quad = p.quads.data() + g * 8 * kGemmCols;
     const int8_t* xg = xa.q.data() + m0 * k + g * kGroup;
@@ -897,35 +956,18 @@ void q4_gemm_tile(const Int8Rows& xa, int64_t k, int64_t m0, const Q4Panel& p, f
       }
     }
     const int lane = q4_lane(g % 8);
+    const bool first = g < 8;  // the lane's first group: fma(f, s, 0) is f * s
     for (int h = 0; h < 2; ++h) {
       const __m256 sw = _mm256_loadu_ps(p.sw.data() + g * kGemmCols + 8 * h);
       const __m256 zw = _mm256_loadu_ps(p.zw.data() + g * kGemmCols + 8 * h);
       for (int r = 0; r < R; ++r) {
         const int64_t xi = (m0 + r) * groups + g;
         const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r][h], ones));
+        const __m256 s = _mm256_mul_ps(sw, _mm256_set1_ps(xa.d[xi]));
         __m256& a = acc[r][lane][h];
-        a = _mm256_fmadd_ps(f, _mm256_mul_ps(sw, _mm256_set1_ps(xa.d[xi])), a);
+        a = first ? _mm256_mul_ps(f, s) : _mm256_fmadd_ps(f, s, a);
         a = _mm256_fmadd_ps(zw, _mm256_set1_ps(xa.sum[xi]), a);
       }
-    }
-  }
-  float zacc[R][kGemmCols] = {};
-  for (int64_t g = main; g < groups; ++g) {  // as dot_block_i8's tail: lane t gets quad t
-    const int32_t* quad = p.quads.data() + g * 8 * kGemmCols;
-    for (int r = 0; r < R; ++r) {
-      const int64_t xi = (m0 + r) * groups + g;
-      const float dx = xa.d[xi];
-      for (int h = 0; h < 2; ++h) {
-        const __m256 dwdx = _mm256_mul_ps(_mm256_loadu_ps(p.sw.data() + g * kGemmCols + 8 * h), _mm256_set1_ps(dx));
-        for (int t = 0; t < 8; ++t) {
-          int32_t xq4;
-          std::memcpy(&xq4, xa.q.data() + (m0 + r) * k + g * kGroup + t * 4, 4);
-          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quad + t * kGemmCols + 8 * h));
-          const __m256 f = _mm256_cvtepi32_ps(dot_u8_i8(w, _mm256_set1_epi32(xq4)));
-          acc[r][t][h] = _mm256_fmadd_ps(f, dwdx, acc[r][t][h]);
-        }
-      }
-      for (int c = 0; c < cols; ++c) zacc[r][c] += p.zw[g * kGemmCols + c] * xa.sum[xi];
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -937,7 +979,12 @@ void q4_gemm_tile(const Int8Rows& xa, int64_t k, int64_t m0, const Q4Panel& p, f
       const __m256 t2 = _mm256_add_ps(at(2), at(6)), t3 = _mm256_add_ps(at(3), at(7));
       _mm256_store_ps(out + 8 * h, _mm256_add_ps(_mm256_add_ps(t0, t2), _mm256_add_ps(t1, t3)));
     }
-    for (int c = 0; c < cols; ++c) y[(m0 + r) * ldy + n0 + c] = out[c] + zacc[r][c];
+    if (cols == kGemmCols) {
+      _mm256_storeu_ps(y + (m0 + r) * ldy + n0, _mm256_load_ps(out));
+      _mm256_storeu_ps(y + (m0 + r) * ldy + n0 + 8, _mm256_load_ps(out + 8));
+    } else {
+      for (int c = 0; c < cols; ++c) y[(m0 + r) * ldy + n0 + c] = out[c];
+    }
   }
 }
 

@@ -43,7 +43,7 @@ def run_ctxwarden(inputs: dict) -> dict:
 
     prompts, n_new = inputs["prompts"], inputs["new_tokens"]
     llm = LLM(inputs.get("model"), kv_memory=inputs["kv_memory"], max_batched_tokens=2048,
-              weights=inputs.get("weights", "auto"))
+              weights=inputs.get("weights", "auto"), kv_dtype=inputs.get("kv_dtype"))
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
     params = SamplingParams(max_tokens=n_new, temperature=0, ignore_eos=True)
     start = time.perf_counter()

@@ -31,7 +31,7 @@ def corpus_text() -> str:
                             "benchmark prompts are cut from it")
 
 
-def workload_inputs(name: str, quick: bool, weights: str) -> dict:
+def workload_inputs(name: str, quick: bool, weights: str, kv_dtype: str | None = None) -> dict:
     """The token ids and settings every peer of one workload gets."""
     from ctxwarden.spec.checkpoint import default_model_path
     from ctxwarden.context.tokenizers import load_tokenizer
@@ -43,7 +43,8 @@ def workload_inputs(name: str, quick: bool, weights: str) -> dict:
     prompts = [tok.encode(text[20_000 * i + 7:20_000 * i + 7 + num_tokens * 8])[:num_tokens]
                for i in range(num_prompts)]
     return {"prompts": prompts, "new_tokens": num_new, "gguf": str(default_model_path()),
-            "kv_memory": KV_MEMORY[name], "weights": weights, "threads": os.cpu_count() or 1}
+            "kv_memory": KV_MEMORY[name], "weights": weights, "kv_dtype": kv_dtype,
+            "threads": os.cpu_count() or 1}
 
 
 def run_child(peer: str, workload: str, inputs: Path, omp: str, python: str, timeout_s: int) -> dict:
@@ -77,7 +78,7 @@ def run_bench(args) -> int:
         paths = {}
         for w in workloads:
             paths[w] = Path(tmp) / f"{w}.json"
-            paths[w].write_text(json.dumps(workload_inputs(w, args.quick, args.weights)))
+            paths[w].write_text(json.dumps(workload_inputs(w, args.quick, args.weights, args.kv_dtype)))
         task = bar.add_task("bench", total=len(jobs))
         results = {"machine": machine(), "args": vars(args) | {"_module": None}, "runs": runs}
         for omp, r, w, p in jobs:
@@ -126,7 +127,8 @@ def render_table(results: dict) -> str:
     """Markdown: one table per wait policy, medians with spread, ratios of medians."""
     m = results["machine"]
     rows = [f"Machine: {m['cpu']}, {m['cpu_count']} vCPU ({', '.join(m['flags'])}), torch {m['torch']}, "
-            f"{m['date']}; ctxwarden weights={results['args']['weights']}, kernels {m.get('kernels', '?')}; median [min-max] of "
+            f"{m['date']}; ctxwarden weights={results['args']['weights']}, "
+            f"kv {results['args'].get('kv_dtype') or 'fp32 (the compute dtype)'}, kernels {m.get('kernels', '?')}; median [min-max] of "
             f"{results['args']['repeats']} fresh processes per cell, run round-robin", ""]
     for omp, by_w in results["runs"].items():
         rows += [f"### OMP_WAIT_POLICY={'PASSIVE' if omp == 'passive' else 'unset (threads spin)'}", "",

@@ -1234,6 +1234,25 @@ inline void prefetch_rows(const T* base, const int64_t* slots, int64_t n, int64_
 }
 #endif  // CW_SIMD
 
+// Query heads [u0, u1) in runs of at most 4 that share one KV head: f(kv head, first head, count).
+template <typename F>
+inline void for_head_runs(int64_t u0, int64_t u1, int64_t g_count, F&& f) {
+  for (int64_t u = u0; u < u1;) {
+    const int64_t h = u / g_count, ue = std::min({u1, (h + 1) * g_count, u + 4});
+    f(h, u, static_cast<int>(ue - u));
+    u = ue;
+  }
+}
+
+// f(std::integral_constant<int, gn>) for a run of gn = 1..4 heads (the kernels' GN).
+template <typename F>
+inline void by_group_size(int gn, F&& f) {
+  if (gn == 4) f(std::integral_constant<int, 4>{});
+  else if (gn == 3) f(std::integral_constant<int, 3>{});
+  else if (gn == 2) f(std::integral_constant<int, 2>{});
+  else f(std::integral_constant<int, 1>{});
+}
+
 constexpr int64_t kMaxGroup = 64;  // query heads per KV head (checked at the call)
 // Keys per tile: a tile's K (or V) rows, all KV heads of each (contiguous in the pool),
 // come from memory once, in address order within a page, and serve every query head from
@@ -1267,22 +1286,17 @@ void decode_heads(const DecodeArgs& a, const float* q, const float* q_sink, cons
         const int64_t tn = std::min(kKeyTile, je - j0);
         const int64_t next = std::min(kKeyTile, num_keys - j0 - tn);
         if (next > 0) prefetch_rows(kp + h0 * d, slots + j0 + tn, next, (h1 - h0) * d);
-        for (int64_t u = u0; u < u1;) {  // runs of at most 4 heads sharing one KV head
-          const int64_t h = u / g_count, ue = std::min({u1, (h + 1) * g_count, u + 4});
-          const int gn = static_cast<int>(ue - u);
+        for_head_runs(u0, u1, g_count, [&](int64_t h, int64_t u, int gn) {
           const float* qg[4];
           float* og[4];
           for (int g = 0; g < gn; ++g) {
             qg[g] = qq + (u + g) * d;
             og[g] = sc + (u + g - u0) * num_keys + j0;
           }
-          const T* kh = kp + h * d;
-          if (gn == 4) score_keys_group_any<4>(qg, kh, slots + j0, row, d, tn, a.scale, og);
-          else if (gn == 3) score_keys_group_any<3>(qg, kh, slots + j0, row, d, tn, a.scale, og);
-          else if (gn == 2) score_keys_group_any<2>(qg, kh, slots + j0, row, d, tn, a.scale, og);
-          else score_keys_group_any<1>(qg, kh, slots + j0, row, d, tn, a.scale, og);
-          u = ue;
-        }
+          by_group_size(gn, [&](auto GN) {
+            score_keys_group_any<decltype(GN)::value>(qg, kp + h * d, slots + j0, row, d, tn, a.scale, og);
+          });
+        });
       }
     }
 #endif
@@ -1306,24 +1320,17 @@ void decode_heads(const DecodeArgs& a, const float* q, const float* q_sink, cons
       const int64_t tn = std::min(kKeyTile, num_keys - j0);
       const int64_t next = std::min(kKeyTile, num_keys - j0 - tn);
       if (next > 0) prefetch_rows(vp + h0 * d, slots + j0 + tn, next, (h1 - h0) * d);
-      for (int64_t u = u0; u < u1;) {  // runs of at most 4 heads sharing one KV head
-        const int64_t h = u / g_count, ue = std::min({u1, (h + 1) * g_count, u + 4});
-        const int gn = static_cast<int>(ue - u);
+      for_head_runs(u0, u1, g_count, [&](int64_t h, int64_t u, int gn) {
         const float* p[4];
         float* o[4];
         for (int g = 0; g < gn; ++g) {
           p[g] = sc + (u + g - u0) * num_keys + j0;
           o[g] = out + (u + g) * d;
         }
-        const T* vh = vp + h * d;
-        for (int64_t c = 0; c < d / 16; ++c) {
-          if (gn == 4) weigh_values<4>(p, vh, slots + j0, row, tn, c, o);
-          else if (gn == 3) weigh_values<3>(p, vh, slots + j0, row, tn, c, o);
-          else if (gn == 2) weigh_values<2>(p, vh, slots + j0, row, tn, c, o);
-          else weigh_values<1>(p, vh, slots + j0, row, tn, c, o);
-        }
-        u = ue;
-      }
+        by_group_size(gn, [&](auto GN) {
+          for (int64_t c = 0; c < d / 16; ++c) weigh_values<decltype(GN)::value>(p, vp + h * d, slots + j0, row, tn, c, o);
+        });
+      });
     }
     for (int64_t u = u0; u < u1; ++u)
       for (int64_t i = 0; i < d; i += 16) vstore(out + u * d + i, vmul(vload(out + u * d + i), vset1(inv[u - u0])));

@@ -882,11 +882,10 @@ inline void transpose8x8(__m256* v) {
 void pack_q4_panel(const uint8_t* codes, const at::Half* ws, const at::Half* wz, int64_t k, int64_t n0,
                    int cols, Q4Panel& p) {
   const int64_t groups = k / kGroup;
+  const size_t quads = groups * 8 * kGemmCols, scales = groups * kGemmCols;
   if (cols == kGemmCols) {  // every entry is written below: no zeroing
-    p.quads.resize(groups * 8 * kGemmCols);
-    p.sw.resize(groups * kGemmCols);
-    p.zw.resize(groups * kGemmCols);
-    for (int64_t g = 0; g < groups; ++g) {
+    p.quads.resize(quads), p.sw.resize(scales), p.zw.resize(scales);
+    for (int64_t g = 0; g < groups; ++g)
       for (int h = 0; h < 2; ++h) {
         __m256 v[8];
         for (int c = 0; c < 8; ++c)
@@ -895,26 +894,20 @@ void pack_q4_panel(const uint8_t* codes, const at::Half* ws, const at::Half* wz,
         for (int t = 0; t < 8; ++t)
           _mm256_storeu_ps(reinterpret_cast<float*>(p.quads.data() + (g * 8 + t) * kGemmCols + 8 * h), v[t]);
       }
-      for (int c = 0; c < kGemmCols; ++c) {
-        p.sw[g * kGemmCols + c] = half_to_float(ws[(n0 + c) * groups + g]);
-        p.zw[g * kGemmCols + c] = half_to_float(wz[(n0 + c) * groups + g]);
+  } else {
+    p.quads.assign(quads, 0), p.sw.assign(scales, 0.f), p.zw.assign(scales, 0.f);
+    alignas(32) int32_t q[8];
+    for (int c = 0; c < cols; ++c)
+      for (int64_t g = 0; g < groups; ++g) {
+        _mm256_store_si256(reinterpret_cast<__m256i*>(q), unpack_q4(codes + (n0 + c) * (k / 2) + g * 16));
+        for (int t = 0; t < 8; ++t) p.quads[(g * 8 + t) * kGemmCols + c] = q[t];
       }
-    }
-    return;
   }
-  p.quads.assign(groups * 8 * kGemmCols, 0);
-  p.sw.assign(groups * kGemmCols, 0.f);
-  p.zw.assign(groups * kGemmCols, 0.f);
-  alignas(32) int32_t q[8];
-  for (int c = 0; c < cols; ++c) {
-    const uint8_t* row = codes + (n0 + c) * (k / 2);
+  for (int c = 0; c < cols; ++c)
     for (int64_t g = 0; g < groups; ++g) {
-      _mm256_store_si256(reinterpret_cast<__m256i*>(q), unpack_q4(row + g * 16));
-      for (int t = 0; t < 8; ++t) p.quads[(g * 8 + t) * kGemmCols + c] = q[t];
       p.sw[g * kGemmCols + c] = half_to_float(ws[(n0 + c) * groups + g]);
       p.zw[g * kGemmCols + c] = half_to_float(wz[(n0 + c) * groups + g]);
     }
-  }
 }
 
 inline int32_t load_i32(const int8_t* p) {
@@ -922,7 +915,6 @@ inline int32_t load_i32(const int8_t* p) {
   std::memcpy(&v, p, 4);
   return v;
 }
-
 
 template <int R>
 void q4_gemm_tile(const Int8Rows& xa, int64_t k, int64_t m0, const Q4Panel& p, float* y, int64_t ldy,
@@ -1205,7 +1197,6 @@ void score_keys_group_any(const float* const* q, const T* kp, const int64_t* slo
   if (d == 128) return score_keys_group<128, GN>(q, kp, slots, row, d, n, scale, out);
   score_keys_group<0, GN>(q, kp, slots, row, d, n, scale, out);
 }
-
 
 // out_g[c*16 .. c*16+16) += sum_j p_g[j] v_j[c*16 ..) over one tile of keys, for GN query
 // heads of one KV head: the GN accumulators of one 16-lane chunk stay in registers (AVX2's

@@ -105,14 +105,16 @@ def test_int8_activation_kernel_is_the_dequantized_weight_on_rounded_activations
 
 
 @pytest.mark.parametrize("kind", [Q4, Q8])
-@pytest.mark.parametrize("k", [96, 288, 576])
+@pytest.mark.parametrize("k", [64, 96, 288, 576])
 def test_int8_activation_rows_do_not_depend_on_their_batch(kind, k):
     """What makes chunking, batching and recompute reproduce each other in auto-int8act.
-    q4 from 16 rows up runs as a GEMM over 16-weight-row panels (200: a part panel), below
-    that as 4 x 2 tiles; K = 96 / 288 / 576 give 3 / 9 / 18 groups (tail groups after the
-    blocks of 8). Every row must come out bit for bit the same from either kernel."""
+    q4 from 16 rows up runs as a GEMM over 16-weight-row panels (203: a part panel of 11),
+    below that as 4 x 2 tiles (203: three weight rows left to the one-row tiles); K = 64 /
+    96 / 288 / 576 give 2 / 3 / 9 / 18 groups (tail groups after the blocks of 8: 2, 3, 1
+    and 2, which take three different tail paths in the tiles). Every row must come out
+    bit for bit the same from either kernel."""
     torch.manual_seed(1)
-    q = quantize(torch.randn(200, k) * 0.1, kind)
+    q = quantize(torch.randn(203, k) * 0.1, kind)
     x = torch.randn(130, k)
     x[7, 3] = 40.0  # an outlier: its group's scale is large
     whole = ext.quantized_linear_int8(x, q.codes, q.scale, q.zero)

@@ -680,12 +680,89 @@ inline __m256i dot_u8_i8(__m256i w, __m256i x) {
 
 // The lane dot_block_i8<Q4> accumulates group g into, o = g % 8: its main loop's hadds
 // order eight groups [g0 g2 g4 g6 g1 g3 g5 g7]; a tail group takes the lane its o would.
-inline int q4_lane(int64_t o) { return static_cast<int>((o % 2) * 4 + o / 2); }
+constexpr int q4_lane(int64_t o) { return static_cast<int>((o % 2) * 4 + o / 2); }
 
 // All ones in lane l, zeros elsewhere (x & mask: x in lane l; fma(x & mask, s, a) leaves a's
 // other lanes as they are).
 inline __m256 lane_mask(int l) {
   return _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(l)));
+}
+
+// Lane l's entry for tail group t (of T): t where l is the lane t takes (q4_lane; a tail
+// starts at a multiple of 8), else 0.
+constexpr int tail_group(int T, int l) {
+  for (int t = 0; t < T; ++t)
+    if (q4_lane(t) == l) return t;
+  return 0;
+}
+constexpr bool tail_lane(int T, int l) {
+  for (int t = 0; t < T; ++t)
+    if (q4_lane(t) == l) return true;
+  return false;
+}
+template <int T>
+inline __m256i tail_index() {
+  return _mm256_setr_epi32(tail_group(T, 0), tail_group(T, 1), tail_group(T, 2), tail_group(T, 3),
+                           tail_group(T, 4), tail_group(T, 5), tail_group(T, 6), tail_group(T, 7));
+}
+template <int T>
+inline __m256 tail_mask() {
+  return _mm256_castsi256_ps(_mm256_setr_epi32(-tail_lane(T, 0), -tail_lane(T, 1), -tail_lane(T, 2),
+                                               -tail_lane(T, 3), -tail_lane(T, 4), -tail_lane(T, 5),
+                                               -tail_lane(T, 6), -tail_lane(T, 7)));
+}
+
+// The last T (1 or 2) groups of a q4 tile, from g0 (a multiple of 8), for all NB weight
+// rows in one reduction (NB * T <= 8: SmolLM2's K = 576 gives 4 rows x 2 groups): pair
+// b * T + t's exact sum goes to the lane group g0 + t takes (q4_lane) of row b's
+// accumulator, scaled and then its zero point added by the fmas of dot_block_i8's
+// per-group tail, with the other lanes getting fma(0, s, a) = a as there: the same
+// numbers, one hadd tree per input row instead of a horizontal sum per group and row.
+template <int NB, int T, int R>
+inline void q4_tail_block(const Int8Rows& xa, int64_t k, int64_t m0, int64_t n0, int64_t groups, int64_t g0,
+                          const uint8_t* codes, const at::Half* ws, const at::Half* wz, __m256 (&acc)[NB][R]) {
+  static_assert((T == 1 || T == 2) && NB * T <= 8, "a tail of 1 or 2 groups, in eight lanes");
+  __m256i w[8];
+  auto bits = [&](const at::Half* src, int i) -> short {
+    return i < NB * T ? static_cast<short>(src[(n0 + i / T) * groups + g0 + i % T].x) : short(0);
+  };
+  auto halves = [&](const at::Half* src) {
+    return _mm256_cvtph_ps(_mm_setr_epi16(bits(src, 0), bits(src, 1), bits(src, 2), bits(src, 3), bits(src, 4),
+                                          bits(src, 5), bits(src, 6), bits(src, 7)));
+  };
+  for (int i = 0; i < 8; ++i)
+    w[i] = i < NB * T ? unpack_q4(codes + (n0 + i / T) * (k / 2) + (g0 + i % T) * 16) : _mm256_setzero_si256();
+  const __m256 sw = halves(ws), zw = halves(wz), on = tail_mask<T>();
+  const __m256i lanes = tail_index<T>();  // lane of group t <- entry t of a [v0 v1 v0 v1 ..] vector
+  __m256i idx[NB];
+  __m256 swl[NB], zwl[NB];
+  for (int b = 0; b < NB; ++b) {
+    idx[b] = _mm256_add_epi32(lanes, _mm256_set1_epi32(b * T));  // lanes off the tail: masked
+    swl[b] = _mm256_permutevar8x32_ps(sw, idx[b]);
+    zwl[b] = _mm256_and_ps(_mm256_permutevar8x32_ps(zw, idx[b]), on);
+  }
+  for (int r = 0; r < R; ++r) {
+    const int8_t* xrow = xa.q.data() + (m0 + r) * k;
+    const int64_t xi = (m0 + r) * groups + g0;
+    __m256i xq[T];
+    for (int t = 0; t < T; ++t) xq[t] = paired_group(xrow, g0 + t, groups);
+    __m256i p[8];
+    for (int i = 0; i < 8; ++i) p[i] = i < NB * T ? dot_u8_i8(w[i], xq[i % T]) : _mm256_setzero_si256();
+    const __m256 sums = _mm256_cvtepi32_ps(hsum8_epi32(p));  // exact: |sum| < 2^16
+    __m256 dx, xs;
+    if constexpr (T == 2) {
+      dx = _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(xa.d.data() + xi)));
+      xs = _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(xa.sum.data() + xi)));
+    } else {
+      dx = _mm256_broadcast_ss(xa.d.data() + xi), xs = _mm256_broadcast_ss(xa.sum.data() + xi);
+    }
+    dx = _mm256_permutevar8x32_ps(dx, lanes), xs = _mm256_permutevar8x32_ps(xs, lanes);
+    for (int b = 0; b < NB; ++b) {
+      const __m256 f = _mm256_and_ps(_mm256_permutevar8x32_ps(sums, idx[b]), on);
+      acc[b][r] = _mm256_fmadd_ps(f, _mm256_mul_ps(swl[b], dx), acc[b][r]);
+      acc[b][r] = _mm256_fmadd_ps(zwl[b], xs, acc[b][r]);
+    }
+  }
 }
 
 // y[m0..m0+R, n0..n0+NB] with int8 activations; Q4: unsigned codes plus zero points,
@@ -768,6 +845,10 @@ inline void dot_block_i8(const Int8Rows& xa, int64_t k, int64_t m0, int64_t n0, 
         if (Q4) acc[b][r] = _mm256_fmadd_ps(zw8[b], xs, acc[b][r]);
       }
     }
+  }
+  if constexpr (Q4 && NB <= 4) {
+    if (groups - g0 == 2) q4_tail_block<NB, 2, R>(xa, k, m0, n0, groups, g0, codes, ws, wz, acc), g0 = groups;
+    else if (groups - g0 == 1) q4_tail_block<NB, 1, R>(xa, k, m0, n0, groups, g0, codes, ws, wz, acc), g0 = groups;
   }
   for (int64_t g = g0; g < groups; ++g) {
     __m256i w[NB];

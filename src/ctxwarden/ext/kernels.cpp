@@ -1240,19 +1240,35 @@ inline __m256 hsum8(const __m256* a) {
                      });
 }
 
-// out[g][j] = scale * q_g . k_j for keys j < n (key j at flat slot slots[j]) and GN query
+// One head's slice (d elements) of a K or V row, asked for one tile ahead of its use. Each
+// key row of a tile asks for the same head's slice of the row kKeyTile keys on, as it is
+// scored (or, for V, in the first 16-lane chunk's pass): the misses stay spread through the
+// compute. Asking for the whole next tile at its start, all KV heads at once, left the
+// tile's compute to run after the memory time rather than under it (cold time was warm
+// time plus bytes over bandwidth; the burst probably filled the miss buffers). Spread out, it is 1.16-1.20x a layer's cold call with bf16 K/V and 1.02-1.11x
+// with fp32 (benchmarks/decode_attention.py shapes, Zen 3, in-process A/B). Asking two
+// tiles ahead measured 1.04-1.05x, no better.
+template <typename T>
+inline void prefetch_head(const T* p, int64_t d) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < d * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+}
+
+// out[g][j] = scale * q_g . k_j for keys j < n (key j at flat slot slots[j]; the first
+// `ahead` keys of the next tile, slots[n ..], are asked for meanwhile) and GN query
 // heads sharing one KV head: each key row is loaded (and, for bf16, widened) once for all
 // GN heads (it was once per head; 1.03-1.16x the whole call on the Zen 3, bit-identical),
 // eight keys per reduction; each head's sums run the same operations in the same order
 // whatever GN is. D > 0 fixes the head size at compile time.
 template <int D, int GN, typename T>
 void score_keys_group(const float* const* q, const T* kp, const int64_t* slots, int64_t row, int64_t d,
-                      int64_t n, float scale, float* const* out) {
+                      int64_t n, float scale, float* const* out, int64_t ahead) {
   const int64_t dd = D > 0 ? D : d;
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
     __m256 part[GN][8];
     for (int u = 0; u < 8; ++u) {
+      if (j + u < ahead) prefetch_head(kp + slots[n + j + u] * row, dd);
       const T* kr = kp + slots[j + u] * row;
       V16 acc[GN];
       {
@@ -1273,10 +1289,10 @@ void score_keys_group(const float* const* q, const T* kp, const int64_t* slots, 
 
 template <int GN, typename T>
 void score_keys_group_any(const float* const* q, const T* kp, const int64_t* slots, int64_t row, int64_t d,
-                          int64_t n, float scale, float* const* out) {
-  if (d == 64) return score_keys_group<64, GN>(q, kp, slots, row, d, n, scale, out);
-  if (d == 128) return score_keys_group<128, GN>(q, kp, slots, row, d, n, scale, out);
-  score_keys_group<0, GN>(q, kp, slots, row, d, n, scale, out);
+                          int64_t n, float scale, float* const* out, int64_t ahead) {
+  if (d == 64) return score_keys_group<64, GN>(q, kp, slots, row, d, n, scale, out, ahead);
+  if (d == 128) return score_keys_group<128, GN>(q, kp, slots, row, d, n, scale, out, ahead);
+  score_keys_group<0, GN>(q, kp, slots, row, d, n, scale, out, ahead);
 }
 
 // out_g[c*16 .. c*16+16) += sum_j p_g[j] v_j[c*16 ..) over one tile of keys, for GN query
@@ -1285,25 +1301,17 @@ void score_keys_group_any(const float* const* q, const T* kp, const int64_t* slo
 // which lie in L1 after the first chunk's pass.
 template <int GN, typename T>
 inline void weigh_values(const float* const* p, const T* vp, const int64_t* slots, int64_t row,
-                         int64_t n, int64_t c, float* const* out) {
+                         int64_t n, int64_t c, float* const* out, int64_t ahead, int64_t d) {
   V16 acc[GN];
   for (int g = 0; g < GN; ++g) acc[g] = vload(out[g] + c * 16);
   for (int64_t j = 0; j < n; ++j) {
+    if (c == 0 && j < ahead) prefetch_head(vp + slots[n + j] * row, d);
     const V16 v = vload(vp + slots[j] * row + c * 16);
     for (int g = 0; g < GN; ++g) acc[g] = vfmadd(vset1(p[g][j]), v, acc[g]);
   }
   for (int g = 0; g < GN; ++g) vstore(out[g] + c * 16, acc[g]);
 }
 
-// Ask for the rows of the next tile (all KV heads: row elements each) while this one computes.
-template <typename T>
-inline void prefetch_rows(const T* base, const int64_t* slots, int64_t n, int64_t row) {
-  const int64_t bytes = row * static_cast<int64_t>(sizeof(T));
-  for (int64_t j = 0; j < n; ++j) {
-    const char* r = reinterpret_cast<const char*>(base + slots[j] * row);
-    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(r + b, _MM_HINT_T0);
-  }
-}
 #endif  // CW_SIMD
 
 // Query heads [u0, u1) in runs of at most 4 that share one KV head: f(kv head, first head, count).
@@ -1350,14 +1358,12 @@ void decode_heads(const DecodeArgs& a, const float* q, const float* q_sink, cons
 #endif
   if (vec) {
 #if CW_SIMD
-    const int64_t h0 = u0 / g_count, h1 = (u1 - 1) / g_count + 1;  // the KV heads read
     for (int part = 0; part < 2; ++part) {
       const int64_t jb = part ? num_sink : 0, je = part ? num_keys : num_sink;
       const float* qq = part ? q : q_sink;
       for (int64_t j0 = jb; j0 < je; j0 += kKeyTile) {
         const int64_t tn = std::min(kKeyTile, je - j0);
         const int64_t next = std::min(kKeyTile, num_keys - j0 - tn);
-        if (next > 0) prefetch_rows(kp + h0 * d, slots + j0 + tn, next, (h1 - h0) * d);
         for_head_runs(u0, u1, g_count, [&](int64_t h, int64_t u, int gn) {
           const float* qg[4];
           float* og[4];
@@ -1366,7 +1372,7 @@ void decode_heads(const DecodeArgs& a, const float* q, const float* q_sink, cons
             og[g] = sc + (u + g - u0) * num_keys + j0;
           }
           by_group_size(gn, [&](auto GN) {
-            score_keys_group_any<decltype(GN)::value>(qg, kp + h * d, slots + j0, row, d, tn, a.scale, og);
+            score_keys_group_any<decltype(GN)::value>(qg, kp + h * d, slots + j0, row, d, tn, a.scale, og, next);
           });
         });
       }
@@ -1387,11 +1393,9 @@ void decode_heads(const DecodeArgs& a, const float* q, const float* q_sink, cons
   std::fill(out + u0 * d, out + u1 * d, 0.f);
   if (vec) {
 #if CW_SIMD
-    const int64_t h0 = u0 / g_count, h1 = (u1 - 1) / g_count + 1;
     for (int64_t j0 = 0; j0 < num_keys; j0 += kKeyTile) {
       const int64_t tn = std::min(kKeyTile, num_keys - j0);
       const int64_t next = std::min(kKeyTile, num_keys - j0 - tn);
-      if (next > 0) prefetch_rows(vp + h0 * d, slots + j0 + tn, next, (h1 - h0) * d);
       for_head_runs(u0, u1, g_count, [&](int64_t h, int64_t u, int gn) {
         const float* p[4];
         float* o[4];
@@ -1400,7 +1404,8 @@ void decode_heads(const DecodeArgs& a, const float* q, const float* q_sink, cons
           o[g] = out + (u + g) * d;
         }
         by_group_size(gn, [&](auto GN) {
-          for (int64_t c = 0; c < d / 16; ++c) weigh_values<decltype(GN)::value>(p, vp + h * d, slots + j0, row, tn, c, o);
+          for (int64_t c = 0; c < d / 16; ++c)
+            weigh_values<decltype(GN)::value>(p, vp + h * d, slots + j0, row, tn, c, o, next, d);
         });
       });
     }

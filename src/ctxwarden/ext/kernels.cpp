@@ -1245,9 +1245,10 @@ inline __m256 hsum8(const __m256* a) {
 // scored (or, for V, in the first 16-lane chunk's pass): the misses stay spread through the
 // compute. Asking for the whole next tile at its start, all KV heads at once, left the
 // tile's compute to run after the memory time rather than under it (cold time was warm
-// time plus bytes over bandwidth; the burst probably filled the miss buffers). Spread out, it is 1.16-1.20x a layer's cold call with bf16 K/V and 1.02-1.11x
-// with fp32 (benchmarks/decode_attention.py shapes, Zen 3, in-process A/B). Asking two
-// tiles ahead measured 1.04-1.05x, no better.
+// time plus bytes over bandwidth; the burst probably filled the miss buffers). Spread out:
+// 1.16-1.20x a layer's cold call with bf16 K/V and 1.02-1.11x with fp32
+// (benchmarks/decode_attention.py shapes, Zen 3, in-process A/B). Two tiles ahead measured
+// 1.04-1.05x, no better.
 template <typename T>
 inline void prefetch_head(const T* p, int64_t d) {
   const char* c = reinterpret_cast<const char*>(p);

@@ -688,30 +688,6 @@ inline __m256 lane_mask(int l) {
   return _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(l)));
 }
 
-// Lane l's entry for tail group t (of T): t where l is the lane t takes (q4_lane; a tail
-// starts at a multiple of 8), else 0.
-constexpr int tail_group(int T, int l) {
-  for (int t = 0; t < T; ++t)
-    if (q4_lane(t) == l) return t;
-  return 0;
-}
-constexpr bool tail_lane(int T, int l) {
-  for (int t = 0; t < T; ++t)
-    if (q4_lane(t) == l) return true;
-  return false;
-}
-template <int T>
-inline __m256i tail_index() {
-  return _mm256_setr_epi32(tail_group(T, 0), tail_group(T, 1), tail_group(T, 2), tail_group(T, 3),
-                           tail_group(T, 4), tail_group(T, 5), tail_group(T, 6), tail_group(T, 7));
-}
-template <int T>
-inline __m256 tail_mask() {
-  return _mm256_castsi256_ps(_mm256_setr_epi32(-tail_lane(T, 0), -tail_lane(T, 1), -tail_lane(T, 2),
-                                               -tail_lane(T, 3), -tail_lane(T, 4), -tail_lane(T, 5),
-                                               -tail_lane(T, 6), -tail_lane(T, 7)));
-}
-
 // The last T (1 or 2) groups of a q4 tile, from g0 (a multiple of 8), for all NB weight
 // rows in one reduction (NB * T <= 8: SmolLM2's K = 576 gives 4 rows x 2 groups): pair
 // b * T + t's exact sum goes to the lane group g0 + t takes (q4_lane) of row b's
@@ -732,8 +708,15 @@ inline void q4_tail_block(const Int8Rows& xa, int64_t k, int64_t m0, int64_t n0,
   };
   for (int i = 0; i < 8; ++i)
     w[i] = i < NB * T ? unpack_q4(codes + (n0 + i / T) * (k / 2) + (g0 + i % T) * 16) : _mm256_setzero_si256();
-  const __m256 sw = halves(ws), zw = halves(wz), on = tail_mask<T>();
-  const __m256i lanes = tail_index<T>();  // lane of group t <- entry t of a [v0 v1 v0 v1 ..] vector
+  // on: the lanes the tail's groups take; lanes: group t's lane <- entry t of [v0 v1 v0 v1 ..]
+  __m256 on = _mm256_setzero_ps();
+  __m256i lanes = _mm256_setzero_si256();
+  for (int t = 0; t < T; ++t) {
+    const __m256 m = lane_mask(q4_lane(t));
+    on = _mm256_or_ps(on, m);
+    lanes = _mm256_or_si256(lanes, _mm256_and_si256(_mm256_castps_si256(m), _mm256_set1_epi32(t)));
+  }
+  const __m256 sw = halves(ws), zw = halves(wz);
   __m256i idx[NB];
   __m256 swl[NB], zwl[NB];
   for (int b = 0; b < NB; ++b) {

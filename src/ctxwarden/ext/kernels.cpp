@@ -674,9 +674,26 @@ inline __m256i paired_group(const int8_t* row, int64_t g, int64_t groups) {
 }
 
 // sum over the group of w * x as 8 int32 lanes (unsigned w, signed x)
+// AVX-512 VNNI (with VL: on ymm) does all three steps in one vpdpbusd; its int32 sums are
+// exact like the pairs' int16 sums here (no operand pair reaches 2^15), so both builds give
+// the same bits.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define CW_VNNI 1
+inline __m256i dot_u8_i8(__m256i w, __m256i x) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x); }
+// acc + the dot products of the low and of the high nibbles
+inline __m256i dot2_u8_i8(__m256i wlo, __m256i xlo, __m256i whi, __m256i xhi) {
+  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), wlo, xlo), whi, xhi);
+}
+#else
+#define CW_VNNI 0
 inline __m256i dot_u8_i8(__m256i w, __m256i x) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
 }
+inline __m256i dot2_u8_i8(__m256i wlo, __m256i xlo, __m256i whi, __m256i xhi) {
+  return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(wlo, xlo), _mm256_maddubs_epi16(whi, xhi)),
+                           _mm256_set1_epi16(1));
+}
+#endif
 
 // The lane dot_block_i8<Q4> accumulates group g into, o = g % 8: its main loop's hadds
 // order eight groups [g0 g2 g4 g6 g1 g3 g5 g7]; a tail group takes the lane its o would.
@@ -768,7 +785,7 @@ inline void dot_block_i8(const Int8Rows& xa, int64_t k, int64_t m0, int64_t n0, 
     // load of x; both products in int16 (|sum| <= 4 * 15 * 127), one vpmaddwd. Four pairs
     // reduce in three hadds to lanes ordered [g0 g2 g4 g6 g1 g3 g5 g7]; scales follow.
     const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
-    const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i nib = _mm256_set1_epi8(0x0F);
     for (; g0 + 8 <= groups; g0 += 8) {
       __m256i wlo[NB][4], whi[NB][4];
       __m256 sw[NB], zw8[NB];
@@ -792,8 +809,7 @@ inline void dot_block_i8(const Int8Rows& xa, int64_t k, int64_t m0, int64_t n0, 
           for (int p = 0; p < 4; ++p) {
             const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + p * 64));
             const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + p * 64 + 32));
-            v[p] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(wlo[b][p], xlo),
-                                                      _mm256_maddubs_epi16(whi[b][p], xhi)), ones);
+            v[p] = dot2_u8_i8(wlo[b][p], xlo, whi[b][p], xhi);
           }
           const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
           acc[b][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_mul_ps(sw[b], dx), acc[b][r]);
@@ -987,7 +1003,7 @@ void q4_gemm_tile(const Int8Rows& xa, int64_t k, int64_t m0, const Q4Panel& p, f
   __m256 acc[R][8][2];  // [row][lane][panel half]
   for (int64_t o = groups; o < 8; ++o)  // lanes no group reaches (fewer than 8 groups)
     for (int r = 0; r < R; ++r) acc[r][q4_lane(o)][0] = acc[r][q4_lane(o)][1] = _mm256_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1);
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t g = 0; g < groups; ++g) {
     __m256i s16[R][2];
     const int32_t* quad = p.quads.data() + g * 8 * kGemmCols;
@@ -997,8 +1013,13 @@ void q4_gemm_tile(const Int8Rows& xa, int64_t k, int64_t m0, const Q4Panel& p, f
       const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quad + 8));
       for (int r = 0; r < R; ++r) {
         const __m256i xb = _mm256_set1_epi32(load_i32(xg + r * k));
+#if CW_VNNI
+        s16[r][0] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w0, xb);
+        s16[r][1] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w1, xb);
+#else
         s16[r][0] = _mm256_maddubs_epi16(w0, xb);
         s16[r][1] = _mm256_maddubs_epi16(w1, xb);
+#endif
       }
     }
 #pragma GCC unroll 1
@@ -1007,8 +1028,13 @@ void q4_gemm_tile(const Int8Rows& xa, int64_t k, int64_t m0, const Q4Panel& p, f
       const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quad + t * kGemmCols + 8));
       for (int r = 0; r < R; ++r) {
         const __m256i xb = _mm256_set1_epi32(load_i32(xg + r * k + t * 4));
+#if CW_VNNI
+        s16[r][0] = _mm256_dpbusd_epi32(s16[r][0], w0, xb);
+        s16[r][1] = _mm256_dpbusd_epi32(s16[r][1], w1, xb);
+#else
         s16[r][0] = _mm256_add_epi16(s16[r][0], _mm256_maddubs_epi16(w0, xb));
         s16[r][1] = _mm256_add_epi16(s16[r][1], _mm256_maddubs_epi16(w1, xb));
+#endif
       }
       // an empty asm that holds the 8 sums in registers: without it GCC spills one (and
       // copies the rest) every quad, and the store-to-load round trip sits on that sum's
@@ -1022,7 +1048,11 @@ void q4_gemm_tile(const Int8Rows& xa, int64_t k, int64_t m0, const Q4Panel& p, f
       const __m256 zw = _mm256_loadu_ps(p.zw.data() + g * kGemmCols + 8 * h);
       for (int r = 0; r < R; ++r) {
         const int64_t xi = (m0 + r) * groups + g;
+#if CW_VNNI
+        const __m256 f = _mm256_cvtepi32_ps(s16[r][h]);  // already the group's int32 sums
+#else
         const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r][h], ones));
+#endif
         const __m256 s = _mm256_mul_ps(sw, _mm256_set1_ps(xa.d[xi]));
         __m256& a = acc[r][lane][h];
         a = first ? _mm256_mul_ps(f, s) : _mm256_fmadd_ps(f, s, a);
@@ -1048,6 +1078,59 @@ void q4_gemm_tile(const Int8Rows& xa, int64_t k, int64_t m0, const Q4Panel& p, f
   }
 }
 
+#if CW_VNNI && defined(__AVX512F__)
+// The same tile on zmm: the panel's 16 weight rows in one register (its two ymm halves side
+// by side), every operation of q4_gemm_tile's on both halves at once, so the same bits in
+// half the instructions.
+#if !defined(CW_GEMM_ROWS_Z)
+#define CW_GEMM_ROWS_Z 4
+#endif
+constexpr int kGemmRowsZ = CW_GEMM_ROWS_Z;
+template <int R>
+void q4_gemm_tile_z(const Int8Rows& xa, int64_t k, int64_t m0, const Q4Panel& p, float* y, int64_t ldy,
+                    int64_t n0, int cols) {
+  const int64_t groups = k / kGroup;
+  __m512 acc[R][8];  // [row][lane]
+  for (int64_t o = groups; o < 8; ++o)
+    for (int r = 0; r < R; ++r) acc[r][q4_lane(o)] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i s[R];
+    const int32_t* quad = p.quads.data() + g * 8 * kGemmCols;
+    const int8_t* xg = xa.q.data() + m0 * k + g * kGroup;
+    {
+      const __m512i w = _mm512_loadu_si512(quad);
+      for (int r = 0; r < R; ++r)
+        s[r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_set1_epi32(load_i32(xg + r * k)));
+    }
+#pragma GCC unroll 1
+    for (int t = 1; t < 8; ++t) {
+      const __m512i w = _mm512_loadu_si512(quad + t * kGemmCols);
+      for (int r = 0; r < R; ++r) s[r] = _mm512_dpbusd_epi32(s[r], w, _mm512_set1_epi32(load_i32(xg + r * k + t * 4)));
+      for (int r = 0; r < R; ++r) asm("" : "+v"(s[r]));
+    }
+    const int lane = q4_lane(g % 8);
+    const bool first = g < 8;
+    const __m512 sw = _mm512_loadu_ps(p.sw.data() + g * kGemmCols);
+    const __m512 zw = _mm512_loadu_ps(p.zw.data() + g * kGemmCols);
+    for (int r = 0; r < R; ++r) {
+      const int64_t xi = (m0 + r) * groups + g;
+      const __m512 f = _mm512_cvtepi32_ps(s[r]);
+      const __m512 sc = _mm512_mul_ps(sw, _mm512_set1_ps(xa.d[xi]));
+      __m512& a = acc[r][lane];
+      a = first ? _mm512_mul_ps(f, sc) : _mm512_fmadd_ps(f, sc, a);
+      a = _mm512_fmadd_ps(zw, _mm512_set1_ps(xa.sum[xi]), a);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m512* a = acc[r];
+    const __m512 t0 = _mm512_add_ps(a[0], a[4]), t1 = _mm512_add_ps(a[1], a[5]);
+    const __m512 t2 = _mm512_add_ps(a[2], a[6]), t3 = _mm512_add_ps(a[3], a[7]);
+    const __m512 out = _mm512_add_ps(_mm512_add_ps(t0, t2), _mm512_add_ps(t1, t3));
+    _mm512_mask_storeu_ps(y + (m0 + r) * ldy + n0, static_cast<__mmask16>((1u << cols) - 1), out);
+  }
+}
+#endif
+
 // Weight rows [begin, end) against every row of x (quantized in element order): panels of
 // 16 from begin (a row's result does not depend on which panel holds it).
 void q4_gemm_range(const Int8Rows& xa, int64_t m, int64_t k, int64_t begin, int64_t end, const uint8_t* cp,
@@ -1056,8 +1139,13 @@ void q4_gemm_range(const Int8Rows& xa, int64_t m, int64_t k, int64_t begin, int6
     const int cols = static_cast<int>(std::min<int64_t>(kGemmCols, end - n0));
     pack_q4_panel(cp, sp, zp, k, n0, cols, p);
     int64_t m0 = 0;
+#if CW_VNNI && defined(__AVX512F__)
+    for (; m0 + kGemmRowsZ <= m; m0 += kGemmRowsZ) q4_gemm_tile_z<kGemmRowsZ>(xa, k, m0, p, yp, ldy, n0, cols);
+    for (; m0 < m; ++m0) q4_gemm_tile_z<1>(xa, k, m0, p, yp, ldy, n0, cols);
+#else
     for (; m0 + kGemmRows <= m; m0 += kGemmRows) q4_gemm_tile<kGemmRows>(xa, k, m0, p, yp, ldy, n0, cols);
     for (; m0 < m; ++m0) q4_gemm_tile<1>(xa, k, m0, p, yp, ldy, n0, cols);
+#endif
   }
 }
 

@@ -6,8 +6,9 @@ elsewhere) under another module name, loads it beside the installed build, and t
 both on the same inputs, alternating, taking each side's minimum over --rounds:
 
 - `gemm`: one SmolLM2 layer's four projections (q4 weights, int8 activations:
-  `quantized_linear_int8`) at each of --rows, after checking that both builds give the
-  same bits (--no-check to time a deliberately wrong variant);
+  `quantized_linear_int8`, with the weights packed by `q4_panels` for a build that has
+  them) at each of --rows, after checking that both builds give the same bits
+  (--no-check to time a deliberately wrong variant);
 - `attention`: paged decode attention at W1's batched-decode shape (benchmarks/
   decode_attention.py's pools), cold, fp32 and bf16 K/V, outputs checked likewise.
 
@@ -80,11 +81,17 @@ def report(label: str, best: dict[str, float]) -> None:
 def ab_gemm(ext, alt, rows: list[int], rounds: int, check: bool) -> None:
     torch.manual_seed(0)
     weights = [q4_weight(o, i) for i, o in SHAPES]
+    # a build that packs q4 weights at load (q4_panels) gets them packed, as pack_linear does
+    panels = {mod: [mod.q4_panels(*w) if getattr(mod, "has_q4_panels", lambda: False)() else None
+                    for w in weights] for mod in (ext, alt)}
     for m in rows:
         xs = {i: torch.randn(m, i) for i, _ in SHAPES}
 
         def layer(mod):
-            return lambda: [mod.quantized_linear_int8(xs[c.shape[1] * 2], c, s, z) for c, s, z in weights]
+            if panels[mod][0] is None:
+                return lambda: [mod.quantized_linear_int8(xs[c.shape[1] * 2], c, s, z) for c, s, z in weights]
+            return lambda: [mod.quantized_linear_int8(xs[c.shape[1] * 2], c, s, z, p)
+                            for (c, s, z), p in zip(weights, panels[mod])]
 
         if check:
             for a, b in zip(layer(ext)(), layer(alt)()):

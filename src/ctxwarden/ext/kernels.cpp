@@ -1131,6 +1131,105 @@ void q4_gemm_tile_z(const Int8Rows& xa, int64_t k, int64_t m0, const Q4Panel& p,
 }
 #endif
 
+// ---- q4 weights packed once for the zmm tile (AVX-512 VNNI builds) ---------------------
+// pack_q4_panel's work, done at load instead of at every call: at a 16-row decode step it
+// was a fifth of the GEMM's time. Each panel of 16 weight rows holds, per group, the codes
+// as the tile reads them, 4 x 64 bytes: block j holds bytes 4j..4j+3 of each row's group
+// (row c at 4c), whose low nibbles are the row's quad j (elements 4j..4j+3) and high
+// nibbles its quad j + 4 (16 + 4j..); then the 16 rows' fp16 scales and zero points.
+// Rows past n (a last panel's) are zero. Same bytes as the codes, scales and zeros.
+#if CW_VNNI && defined(__AVX512F__)
+#define CW_Q4_PANELS 1
+constexpr int64_t kPanelCodeBytes = 4 * 64, kPanelGroupBytes = kPanelCodeBytes + 2 * 2 * kGemmCols;
+
+void pack_q4_panels_range(const uint8_t* codes, const at::Half* ws, const at::Half* wz, int64_t n, int64_t k,
+                          int64_t p0, int64_t p1, uint8_t* out) {
+  const int64_t groups = k / kGroup;
+  for (int64_t pi = p0; pi < p1; ++pi)
+    for (int64_t g = 0; g < groups; ++g) {
+      uint8_t* dst = out + (pi * groups + g) * kPanelGroupBytes;
+      for (int c = 0; c < kGemmCols; ++c) {
+        const int64_t row = pi * kGemmCols + c;
+        uint8_t* sd = dst + kPanelCodeBytes + 2 * c;
+        if (row >= n) {
+          for (int j = 0; j < 4; ++j) std::memset(dst + j * 64 + 4 * c, 0, 4);
+          std::memset(sd, 0, 2), std::memset(sd + 2 * kGemmCols, 0, 2);
+          continue;
+        }
+        const uint8_t* src = codes + row * (k / 2) + g * 16;
+        for (int j = 0; j < 4; ++j) std::memcpy(dst + j * 64 + 4 * c, src + 4 * j, 4);
+        std::memcpy(sd, ws + row * groups + g, 2);
+        std::memcpy(sd + 2 * kGemmCols, wz + row * groups + g, 2);
+      }
+    }
+}
+
+// q4_gemm_tile_z's numbers from a packed panel (its first group at pp): the nibbles split in
+// registers (the int32 sums are the same whichever order the quads add in).
+template <int R>
+void q4_panel_tile(const Int8Rows& xa, int64_t k, int64_t m0, const uint8_t* pp, float* y, int64_t ldy,
+                   int64_t n0, int cols) {
+  const int64_t groups = k / kGroup;
+  __m512 acc[R][8];
+  for (int64_t o = groups; o < 8; ++o)
+    for (int r = 0; r < R; ++r) acc[r][q4_lane(o)] = _mm512_setzero_ps();
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* pg = pp + g * kPanelGroupBytes;
+    const int8_t* xg = xa.q.data() + m0 * k + g * kGroup;
+    __m512i s[R];
+    for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
+#pragma GCC unroll 1
+    for (int j = 0; j < 4; ++j) {
+      const __m512i raw = _mm512_loadu_si512(pg + j * 64);
+      const __m512i lo = _mm512_and_si512(raw, nib), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
+      for (int r = 0; r < R; ++r) s[r] = _mm512_dpbusd_epi32(s[r], lo, _mm512_set1_epi32(load_i32(xg + r * k + 4 * j)));
+      for (int r = 0; r < R; ++r)
+        s[r] = _mm512_dpbusd_epi32(s[r], hi, _mm512_set1_epi32(load_i32(xg + r * k + 16 + 4 * j)));
+      for (int r = 0; r < R; ++r) asm("" : "+v"(s[r]));
+    }
+    const int lane = q4_lane(g % 8);
+    const bool first = g < 8;
+    const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + kPanelCodeBytes)));
+    const __m512 zw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + kPanelCodeBytes + 32)));
+    for (int r = 0; r < R; ++r) {
+      const int64_t xi = (m0 + r) * groups + g;
+      const __m512 f = _mm512_cvtepi32_ps(s[r]);
+      const __m512 sc = _mm512_mul_ps(sw, _mm512_set1_ps(xa.d[xi]));
+      __m512& a = acc[r][lane];
+      a = first ? _mm512_mul_ps(f, sc) : _mm512_fmadd_ps(f, sc, a);
+      a = _mm512_fmadd_ps(zw, _mm512_set1_ps(xa.sum[xi]), a);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m512* a = acc[r];
+    const __m512 t0 = _mm512_add_ps(a[0], a[4]), t1 = _mm512_add_ps(a[1], a[5]);
+    const __m512 t2 = _mm512_add_ps(a[2], a[6]), t3 = _mm512_add_ps(a[3], a[7]);
+    const __m512 out = _mm512_add_ps(_mm512_add_ps(t0, t2), _mm512_add_ps(t1, t3));
+    _mm512_mask_storeu_ps(y + (m0 + r) * ldy + n0, static_cast<__mmask16>((1u << cols) - 1), out);
+  }
+}
+
+// Weight rows [begin, end) (begin a multiple of 16) from packed panels, every row of x.
+void q4_panel_range(const Int8Rows& xa, int64_t m, int64_t k, int64_t n, int64_t begin, int64_t end,
+                    const uint8_t* panels, float* y, int64_t ldy) {
+  const int64_t groups = k / kGroup;
+  for (int64_t n0 = begin; n0 < end; n0 += kGemmCols) {
+    const int cols = static_cast<int>(std::min<int64_t>(kGemmCols, std::min(end, n) - n0));
+    const uint8_t* pp = panels + (n0 / kGemmCols) * groups * kPanelGroupBytes;
+    int64_t m0 = 0;
+    for (; m0 + kGemmRowsZ <= m; m0 += kGemmRowsZ) q4_panel_tile<kGemmRowsZ>(xa, k, m0, pp, y, ldy, n0, cols);
+    switch (m - m0) {
+      case 3: q4_panel_tile<3>(xa, k, m0, pp, y, ldy, n0, cols); break;
+      case 2: q4_panel_tile<2>(xa, k, m0, pp, y, ldy, n0, cols); break;
+      case 1: q4_panel_tile<1>(xa, k, m0, pp, y, ldy, n0, cols); break;
+    }
+  }
+}
+#else
+#define CW_Q4_PANELS 0
+#endif
+
 // Weight rows [begin, end) against every row of x (quantized in element order): panels of
 // 16 from begin (a row's result does not depend on which panel holds it).
 void q4_gemm_range(const Int8Rows& xa, int64_t m, int64_t k, int64_t begin, int64_t end, const uint8_t* cp,
@@ -1161,9 +1260,68 @@ void q4_gemm(const Int8Rows& xa, int64_t m, int64_t k, int64_t n, const uint8_t*
 }  // namespace
 #endif  // CW_SIMD
 
-// y [M, N] = x [M, K] @ dequant(q4 or q8 weight)^T with x quantized to int8 per group of 32.
+// Whether this build multiplies q4 weights from panels (q4_panels; else they are not made).
+bool has_q4_panels() {
+#if CW_Q4_PANELS
+  return true;
+#else
+  return false;
+#endif
+}
+
+#if CW_Q4_PANELS
+void check_panels(const at::Tensor& panels, int64_t n, int64_t k) {
+  TORCH_CHECK(panels.dtype() == at::kByte && panels.is_contiguous() && panels.dim() == 2 &&
+                  panels.size(0) == (n + kGemmCols - 1) / kGemmCols && panels.size(1) == k / kGroup * kPanelGroupBytes,
+              "q4 panels must be q4_panels' uint8 [ceil(N / 16), K / 32 * ", kPanelGroupBytes, "] for this weight");
+}
+#endif
+
+// A q4 weight (codes [N, K/2], fp16 scales and zeros [N, K/32]) packed for the panel tile.
+at::Tensor q4_panels(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& zero) {
+#if CW_Q4_PANELS
+  const int64_t n = codes.size(0), k = codes.size(1) * 2, groups = k / kGroup;
+  TORCH_CHECK(codes.is_contiguous() && codes.dtype() == at::kByte && k % kGroup == 0, "q4 codes must be uint8 [N, K/2]");
+  TORCH_CHECK(scale.dtype() == at::kHalf && zero.dtype() == at::kHalf && scale.is_contiguous() && zero.is_contiguous() &&
+                  scale.numel() == n * groups && zero.numel() == n * groups, "q4 scales and zeros must be fp16 [N, K/32]");
+  const int64_t np = (n + kGemmCols - 1) / kGemmCols;
+  at::Tensor out = at::empty({np, groups * kPanelGroupBytes}, codes.options());
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const at::Half *sp = scale.data_ptr<at::Half>(), *zp = zero.data_ptr<at::Half>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  at::parallel_for(0, np, 16, [&](int64_t p0, int64_t p1) { pack_q4_panels_range(cp, sp, zp, n, k, p0, p1, op); });
+  return out;
+#else
+  TORCH_CHECK(false, "q4 panels need the AVX-512 VNNI build of the kernels (has_q4_panels() is False)");
+#endif
+}
+
+// y [M, N] = x [M, K] @ dequant(q4 weight [N, K])^T, x quantized to int8 per group, the
+// weight from its panels (q4_panels): the q4 GEMM's numbers at any number of rows.
+at::Tensor q4_panel_linear(const at::Tensor& x, int64_t n, int64_t k, const at::Tensor& panels) {
+#if CW_Q4_PANELS
+  check_panels(panels, n, k);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.dtype() == at::kFloat && x.is_contiguous(),
+              "x must be contiguous fp32 [M, ", k, "]");
+  const int64_t m = x.size(0);
+  at::Tensor y = at::empty({m, n}, x.options());
+  Int8Rows xa;
+  quantize_rows(x, xa, false);
+  const uint8_t* pp = panels.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, (n + kGemmCols - 1) / kGemmCols, 1, [&](int64_t begin, int64_t end) {
+    q4_panel_range(xa, m, k, n, begin * kGemmCols, end * kGemmCols, pp, yp, n);
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "q4 panels need the AVX-512 VNNI build of the kernels (has_q4_panels() is False)");
+#endif
+}
+
+// y [M, N] = x [M, K] @ dequant(q4 or q8 weight)^T with x quantized to int8 per group of 32
+// (a q4 weight from its panels where they are given: they must be this weight's).
 at::Tensor quantized_linear_int8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                                 const c10::optional<at::Tensor>& zero) {
+                                 const c10::optional<at::Tensor>& zero, const c10::optional<at::Tensor>& panels) {
   const bool q4 = zero.has_value();
   const int64_t n = codes.size(0), k = q4 ? codes.size(1) * 2 : codes.size(1), m = x.size(0);
   check_linear_args(x, scale, k);
@@ -1172,6 +1330,7 @@ at::Tensor quantized_linear_int8(const at::Tensor& x, const at::Tensor& codes, c
 #if CW_SIMD
   at::Tensor y = at::empty({m, n}, x.options());
   Int8Rows xa;
+  if (q4 && panels.has_value() && panels->numel()) return q4_panel_linear(x, n, k, *panels);  // any row count
   const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
   const at::Half* sp = scale.data_ptr<at::Half>();
   const at::Half* zp = q4 ? zero->data_ptr<at::Half>() : nullptr;
@@ -1746,7 +1905,8 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
 // decode_layer (below) names each projection's kernel by a mode, assigned in
 // layers/linear.py's decode_kernel: 0 plain fp32 weight (dense_linear), 1 q4 with fp32
 // activations, 2 q8 with fp32 activations, 3 q4 with int8 activations, 4 q8 with int8
-// activations, 5 plain bf16 weight (dense_linear, fp32 activations).
+// activations, 5 plain bf16 weight (dense_linear, fp32 activations), 6 q4 with int8
+// activations from its panels (q4_panels; slots: codes, scales, panels).
 
 namespace {
 
@@ -1887,9 +2047,10 @@ at::Tensor run_linear(const at::Tensor& x, int64_t mode, const at::Tensor* t) {
     case 0: return dense_linear(x, t[0]);
     case 1: return q4_linear(x, t[0], t[1], t[2]);
     case 2: return q8_linear(x, t[0], t[1]);
-    case 3: return quantized_linear_int8(x, t[0], t[1], t[2]);
-    case 4: return quantized_linear_int8(x, t[0], t[1], c10::nullopt);
+    case 3: return quantized_linear_int8(x, t[0], t[1], t[2], c10::nullopt);
+    case 4: return quantized_linear_int8(x, t[0], t[1], c10::nullopt, c10::nullopt);
     case 5: return dense_linear(x, t[0]);
+    case 6: return q4_panel_linear(x, t[0].size(0), t[0].size(1) * 2, t[2]);
   }
   TORCH_CHECK(false, "unknown projection mode ", mode);
 }
@@ -1902,8 +2063,18 @@ struct Projection {
 };
 
 Projection projection_of(int64_t mode, const at::Tensor* t) {
-  TORCH_CHECK(mode >= 0 && mode <= 5, "unknown projection mode ", mode);
+  TORCH_CHECK(mode >= 0 && mode <= 6, "unknown projection mode ", mode);
   TORCH_CHECK(t[0].is_contiguous() && t[0].dim() == 2, "a projection's weight must be contiguous [N, K]");
+  if (mode == 6) {  // q4 with int8 activations from panels: [codes (for N, K), scales, panels]
+    TORCH_CHECK(t[0].dtype() == at::kByte, "q4 codes must be uint8");
+    const int64_t n = t[0].size(0), k = t[0].size(1) * 2;
+#if CW_Q4_PANELS
+    check_panels(t[2], n, k);
+#else
+    TORCH_CHECK(false, "mode 6 (q4 panels) needs the AVX-512 VNNI build of the kernels");
+#endif
+    return {mode, n, k, t[2].data_ptr(), nullptr, nullptr};
+  }
   if (mode == 0 || mode == 5) {
     TORCH_CHECK(t[0].dtype() == (mode == 0 ? at::kFloat : at::kBFloat16),
                 "mode ", mode, " takes a plain ", mode == 0 ? "fp32" : "bf16", " weight");
@@ -1942,6 +2113,13 @@ void project_rows(const Projection& p, const float* x, int64_t m, int64_t begin,
   }
 #if CW_SIMD
   size_rows(s.xa, m, p.k);
+#if CW_Q4_PANELS
+  if (p.mode == 6) {  // begin: a multiple of 16 (project's share)
+    quantize_row_range(x, p.k, 0, m, s.xa, false);
+    q4_panel_range(s.xa, m, p.k, p.n, begin, end, static_cast<const uint8_t*>(p.codes), y, p.n);
+    return;
+  }
+#endif
   const bool gemm = p.mode == 3 && m >= gemm_min_rows();  // as quantized_linear_int8 chooses
   quantize_row_range(x, p.k, 0, m, s.xa, p.mode == 3 && !gemm);  // each thread its own copy: K*m, tiny
   const auto* cp = static_cast<const uint8_t*>(p.codes);
@@ -2075,7 +2253,7 @@ void run_layers(const StackShape& sh, const LayerParts* layers, int64_t n, at::T
     ThreadScratch scratch;
     float *h = ownp + (tid * 3) * t * hidden, *r = h + t * hidden, *h2 = r + t * hidden;
     auto project = [&](const Projection& p, const float* in, float* out) {
-      const auto [b, end] = share(p.n, tid, team, 8);
+      const auto [b, end] = share(p.n, tid, team, p.mode == 6 ? 16 : 8);  // 6: whole panels
       if (b < end) project_rows(p, in, t, b, end, out, scratch);
       barrier.wait(team);
     };
@@ -2170,7 +2348,7 @@ void decode_layer(at::Tensor& x, const std::vector<at::Tensor>& norms, double ep
                   double scale, double softcap) {
   TORCH_CHECK(norms.size() == 2 && weights.size() == 12 && modes.size() == 4,
               "decode_layer takes 2 norms, 12 weight tensors and 4 modes");
-  TORCH_CHECK(modes[2] >= 0 && modes[2] <= 5 && weights[6].dim() == 2, "gate_up must be a [2I, K] weight");
+  TORCH_CHECK(modes[2] >= 0 && modes[2] <= 6 && weights[6].dim() == 2, "gate_up must be a [2I, K] weight");
   const StackShape sh = stack_shape(x.size(1), weights[6].size(0) / 2, hq, hkv, d, eps, offset, k_pool);
   const LayerParts l = layer_parts(sh, norms.data(), weights.data(), modes.data(), k_pool, v_pool);
   run_layers(sh, &l, 1, x, cos, sin, slot_mapping, key_slots, num_keys, num_sink, scale, softcap);
@@ -2462,7 +2640,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_i8_gemm_min_rows", [](int64_t rows) { return g_gemm_min_rows.exchange(std::max<int64_t>(1, rows)); },
         "rows from which quantized_linear_int8 runs q4 weights as a GEMM (same numbers); returns the old value");
   m.def("quantized_linear_int8", &quantized_linear_int8, nogil, "x @ dequant(q4 | q8)^T, x quantized to int8 per group",
-        py::arg("x"), py::arg("codes"), py::arg("scale"), py::arg("zero") = py::none());
+        py::arg("x"), py::arg("codes"), py::arg("scale"), py::arg("zero") = py::none(),
+        py::arg("panels") = py::none());
+  m.def("has_q4_panels", &has_q4_panels, "whether this build multiplies q4 weights from q4_panels' layout");
+  m.def("q4_panels", &q4_panels, nogil, "a q4 weight packed for quantized_linear_int8's panel tile (same bytes)");
   m.def("dense_linear", &dense_linear, nogil, "x @ w^T for a plain fp32 weight at a few rows");
   m.def("decode_layer", &decode_layer, nogil, "one llama decode layer: norm, qkv, rope + KV write, attention, o, norm, MLP");
   // module_local: two builds of these kernels can then load in one process (an in-process

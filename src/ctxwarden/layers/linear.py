@@ -74,6 +74,9 @@ class LinearWeight:
     quant: QuantizedWeight | None = None
     dense_dtype: torch.dtype = torch.float32  # dtype a quantized weight is expanded to
     dense_kernel: bool = False  # plain fp32 / bf16, fp32 compute: ext's dense_linear at few rows
+    # a q4 weight with int8 activations, packed for ext's panel tile (q4_panels) where the
+    # kernels have it (AVX-512 VNNI): it then runs from these at every row count
+    panels: torch.Tensor | None = None
 
     @property
     def kind(self) -> str:
@@ -85,7 +88,9 @@ class LinearWeight:
     @property
     def nbytes(self) -> int:
         """Bytes the weight holds in its runtime layout."""
-        return self.quant.nbytes if self.quant is not None else self.weight.nbytes
+        if self.quant is None:
+            return self.weight.nbytes
+        return self.quant.nbytes + (self.panels.nbytes if self.panels is not None else 0)
 
 
 def can_pack(weight: torch.Tensor, dense_dtype: torch.dtype = torch.float32) -> bool:
@@ -120,7 +125,8 @@ def pack_linear(weight: torch.Tensor | QuantizedWeight, enabled: bool = True,
         if has_vector_kernels():
             if not weight.int8_activations:
                 qdense_min_rows()  # times the two q4/q8 paths once per process, sets the faster
-            return LinearWeight(weight.codes, False, out_features, in_features, weight, dense_dtype)
+            return LinearWeight(weight.codes, False, out_features, in_features, weight, dense_dtype,
+                                panels=q4_panels(weight))
         weight = dequantize(weight)
     out_features, in_features = weight.shape
     if enabled and can_pack(weight, dense_dtype):
@@ -139,7 +145,7 @@ def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
             # a decode step's shape: straight to the kernel (the general path's reshapes
             # and casts cost 8-12 us a call, ~1.2 ms of a 120-projection step)
             if q.int8_activations:
-                return kernels().quantized_linear_int8(x, q.codes, q.scale, q.zero)
+                return kernels().quantized_linear_int8(x, q.codes, q.scale, q.zero, w.panels)
             if x.shape[0] < DENSE_MIN_ROWS:
                 return (kernels().q4_linear(x, q.codes, q.scale, q.zero) if q.kind == Q4
                         else kernels().q8_linear(x, q.codes, q.scale))
@@ -280,7 +286,7 @@ def _quantized_linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
     rows = x.reshape(-1, w.in_features)
     q = w.quant
     if q.int8_activations:  # every step size: a row's result never depends on its batch
-        out = kernels().quantized_linear_int8(rows.float().contiguous(), q.codes, q.scale, q.zero)
+        out = kernels().quantized_linear_int8(rows.float().contiguous(), q.codes, q.scale, q.zero, w.panels)
         return out.to(x.dtype).reshape(*x.shape[:-1], w.out_features)
     if rows.shape[0] >= DENSE_MIN_ROWS:
         dense = dense_weight(w)
@@ -298,14 +304,28 @@ def decode_kernel(w: LinearWeight) -> tuple[int, list[torch.Tensor]] | None:
     """The ext/ kernel `linear` runs for `w` at a decode step, as ext's decode_layer names
     it: (mode, 3 tensors; unused slots empty), or None where there is none (a reordered
     weight). Modes: 0 / 5 dense_linear on an fp32 / bf16 weight, 1 q4_linear, 2 q8_linear,
-    3 / 4 quantized_linear_int8 on q4 / q8 codes."""
+    3 / 4 quantized_linear_int8 on q4 / q8 codes, 6 on a q4 weight's panels."""
     q, empty = w.quant, torch.empty(0)
+    if w.panels is not None:
+        return 6, [q.codes, q.scale, w.panels]
     if q is not None:
         mode = (3 if q.kind == Q4 else 4) if q.int8_activations else (1 if q.kind == Q4 else 2)
         return mode, [q.codes, q.scale, q.zero if q.zero is not None else empty]
     if w.dense_kernel:
         return (0 if w.weight.dtype == torch.float32 else 5), [w.weight, empty, empty]
     return None
+
+
+def q4_panels(q: QuantizedWeight) -> torch.Tensor | None:
+    """`q` packed for ext's panel tile, where it runs from one: a q4 weight with int8
+    activations on a build that has the tile (AVX-512 VNNI). The panels hold the codes,
+    scales and zero points again (the same bytes, in the tile's order); the row-major
+    codes stay for everything else that reads them. None elsewhere."""
+    ext = kernels()
+    if (q.kind != Q4 or not q.int8_activations or ext is None or not hasattr(ext, "has_q4_panels")
+            or not ext.has_q4_panels()):
+        return None
+    return ext.q4_panels(q.codes, q.scale, q.zero)
 
 
 def dense_weight(w: LinearWeight) -> torch.Tensor:

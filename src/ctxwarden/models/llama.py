@@ -411,7 +411,7 @@ def _held_tensors(held: list) -> dict[int, int]:
     out = {}
     for item in held:
         quant = getattr(item, "quant", None) or (item if isinstance(item, QuantizedWeight) else None)
-        tensors = ([t for t in (quant.codes, quant.scale, quant.zero) if t is not None] if quant
-                   else [getattr(item, "weight", item)])
+        tensors = ([t for t in (quant.codes, quant.scale, quant.zero, getattr(item, "panels", None))
+                    if t is not None] if quant else [getattr(item, "weight", item)])
         out.update({id(t): t.nbytes for t in tensors})
     return out

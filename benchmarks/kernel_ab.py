@@ -9,10 +9,11 @@ both on the same inputs, alternating, taking each side's minimum over --rounds:
   `quantized_linear_int8`, with the weights packed by `q4_panels` for a build that has
   them) at each of --rows, after checking that both builds give the same bits
   (--no-check to time a deliberately wrong variant);
+- `lm_head`: SmolLM2's q8 lm_head [49152, 576] at each of --rows (q8_panels likewise);
 - `attention`: paged decode attention at W1's batched-decode shape (benchmarks/
   decode_attention.py's pools), cold, fp32 and bf16 K/V, outputs checked likewise.
 
-Run: .venv/bin/python benchmarks/kernel_ab.py VARIANT_DIR [--what gemm,attention]
+Run: .venv/bin/python benchmarks/kernel_ab.py VARIANT_DIR [--what gemm,lm_head,attention]
      [--rows 1,4,16,512,2048] [--rounds 9]
 VARIANT_DIR holds the edited kernels.cpp; the build goes there too (about a minute), and
 is reused while kernels.cpp there is older than the build.
@@ -82,8 +83,7 @@ def ab_gemm(ext, alt, rows: list[int], rounds: int, check: bool) -> None:
     torch.manual_seed(0)
     weights = [q4_weight(o, i) for i, o in SHAPES]
     # a build that packs q4 weights at load (q4_panels) gets them packed, as pack_linear does
-    panels = {mod: [mod.q4_panels(*w) if getattr(mod, "has_q4_panels", lambda: False)() else None
-                    for w in weights] for mod in (ext, alt)}
+    panels = {mod: [mod.q4_panels(*w) if has_panels(mod) else None for w in weights] for mod in (ext, alt)}
     for m in rows:
         xs = {i: torch.randn(m, i) for i, _ in SHAPES}
 
@@ -100,6 +100,28 @@ def ab_gemm(ext, alt, rows: list[int], rounds: int, check: bool) -> None:
                                      f"{(a - b).abs().max().item():.3g}); --no-check to time it anyway")
         report(f"gemm, 4 projections, {m} rows", interleaved({"installed": layer(ext), "variant": layer(alt)},
                                                              rounds))
+
+
+def has_panels(mod) -> bool:
+    return getattr(mod, "has_panels", getattr(mod, "has_panels", lambda: False))()
+
+
+def ab_lm_head(ext, alt, rows: list[int], rounds: int, check: bool) -> None:
+    """SmolLM2's tied lm_head as the GGUF has it: q8 [49152, 576], int8 activations."""
+    torch.manual_seed(0)
+    codes = torch.randint(-127, 128, (49152, 576), dtype=torch.int8)
+    scale = (torch.rand(49152, 18) * 0.01 + 0.001).half()
+    panels = {mod: (mod.q8_panels(codes, scale) if has_panels(mod) and hasattr(mod, "q8_panels") else None)
+              for mod in (ext, alt)}
+    for m in rows:
+        x = torch.randn(m, 576)
+
+        def call(mod):
+            return lambda: mod.quantized_linear_int8(x, codes, scale, None, panels[mod])
+
+        if check and not torch.equal(call(ext)(), call(alt)()):
+            raise SystemExit(f"lm_head at {m} rows: the variant's output differs; --no-check to time it anyway")
+        report(f"lm_head q8, {m} rows", interleaved({"installed": call(ext), "variant": call(alt)}, rounds))
 
 
 def ab_attention(ext, alt, rounds: int, check: bool, batch: int = 16, keys: int = 560, layers: int = 30) -> None:
@@ -141,6 +163,8 @@ def main() -> None:
     what = args.what.split(",")
     if "gemm" in what:
         ab_gemm(ext, alt, [int(r) for r in args.rows.split(",")], args.rounds, not args.no_check)
+    if "lm_head" in what:
+        ab_lm_head(ext, alt, [int(r) for r in args.rows.split(",")], args.rounds, not args.no_check)
     if "attention" in what:
         ab_attention(ext, alt, args.rounds, not args.no_check)
 

@@ -126,21 +126,25 @@ def test_int8_activation_rows_do_not_depend_on_their_batch(kind, k):
         assert torch.equal(ext.quantized_linear_int8(x, q.codes, q.scale, q.zero), whole)
     finally:
         ext.set_i8_gemm_min_rows(previous)
-    if kind == Q4 and ext.has_q4_panels():  # AVX-512 VNNI: the panel tile at every row count
-        panels = ext.q4_panels(q.codes, q.scale, q.zero)
-        assert panels.shape == (13, k // 32 * 320)  # the same bytes as codes, scales, zeros
+    if ext.has_panels():  # AVX-512 VNNI: the panel tiles at every row count
+        panels = ext.q4_panels(q.codes, q.scale, q.zero) if kind == Q4 else ext.q8_panels(q.codes, q.scale)
+        # q4: the same bytes as codes, scales, zeros; q8: and -128 sum(w) per group (int32)
+        assert panels.shape == (13, k // 32 * (320 if kind == Q4 else 608))
         for lo, hi in ((0, 130), (0, 1), (5, 7), (3, 10), (0, 16), (2, 19), (64, 130), (129, 130)):
             assert torch.equal(ext.quantized_linear_int8(x[lo:hi].contiguous(), q.codes, q.scale, q.zero, panels),
                                whole[lo:hi]), (lo, hi)
 
 
-@pytest.mark.skipif(ext is None or not ext.has_q4_panels(), reason="q4 panels need the AVX-512 VNNI build")
-def test_q4_panels_of_another_weight_are_refused():
+@pytest.mark.skipif(ext is None or not ext.has_panels(), reason="panels need the AVX-512 VNNI build")
+def test_panels_of_another_weight_are_refused():
     q = quantize(torch.randn(40, 96), Q4)
     other = quantize(torch.randn(40, 64), Q4)
     x = torch.randn(3, 96)
     with pytest.raises(RuntimeError, match=r"q4 panels must be q4_panels' uint8 \[ceil\(N / 16\), K / 32 \* 320\]"):
         ext.quantized_linear_int8(x, q.codes, q.scale, q.zero, ext.q4_panels(other.codes, other.scale, other.zero))
+    q8, other8 = quantize(torch.randn(40, 96), Q8), quantize(torch.randn(24, 96), Q8)
+    with pytest.raises(RuntimeError, match=r"q8 panels must be q8_panels' uint8 \[ceil\(N / 16\), K / 32 \* 608\]"):
+        ext.quantized_linear_int8(x, q8.codes, q8.scale, None, ext.q8_panels(other8.codes, other8.scale))
 
 
 @pytest.mark.parametrize("kind", [Q4, Q8])
@@ -339,7 +343,7 @@ def test_whole_step_and_layer_calls_are_bit_identical_to_the_python_calls(weight
     assert len(steps) == 1 and steps[0] is not None
     assert steps[0][0].num_layers == model.spec.num_layers
     assert len(layers) == model.spec.num_layers and all(a is not None for a in layers)
-    if weights == "auto-int8act" and ext.has_q4_panels():  # every q4 projection runs from its panels
+    if weights == "auto-int8act" and ext.has_panels():  # every q4 projection runs from its panels
         assert all(lw.panels is not None and decode_kernel(lw)[0] == 6
                    for layer in model.layers for lw in (layer.qkv, layer.o, layer.gate_up, layer.down))
     if weights == "auto-int8act":  # three rows take the tiles; the GEMM from one row must match

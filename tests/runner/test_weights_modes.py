@@ -118,8 +118,9 @@ def test_auto_int8act_keeps_auto_codes_and_stays_near_auto(excerpt_ids):
     # the same codes, plus each q4 projection's panels where the kernels run from them
     panels = sum(lw.panels.nbytes for layer in fast.model.layers
                  for lw in (layer.qkv, layer.o, layer.gate_up, layer.down) if lw.panels is not None)
-    assert fast.model.weights_bytes == auto.model.weights_bytes + panels
-    if ext.has_q4_panels():
+    head = fast.model.lm_head.panels
+    assert fast.model.weights_bytes == auto.model.weights_bytes + panels + (head.nbytes if head is not None else 0)
+    if ext.has_panels():
         assert panels == sum(getattr(layer, n).quant.nbytes for layer in auto.model.layers
                              for n in ("qkv", "o", "gate_up", "down"))  # SmolLM2's N: multiples of 16
     # decode-sized steps take the integer kernels: close to auto, but not auto's numbers

@@ -1226,6 +1226,102 @@ void q4_panel_range(const Int8Rows& xa, int64_t m, int64_t k, int64_t n, int64_t
     }
   }
 }
+
+// q8 weights the same way, for the lm_head at a batched decode step. vpdpbusd multiplies
+// unsigned by signed bytes, so x goes in as x + 128 (its codes with the top bit flipped)
+// against the signed codes, and each group's sum starts at -128 sum(w), stored with the
+// panel: sum((x + 128) w) - 128 sum(w) = sum(x w), exactly, in int32. A panel group: the
+// codes [quad t][row c][4] (512 bytes), -128 sum(w) per row (int32 [16]), fp16 scales [16].
+// The fp32 part is dot_block_i8<q8>'s: groups of whole blocks of 8 add their sum into lane
+// g % 8; groups past the last block add quad t's sum into lane t.
+constexpr int64_t kQ8PanelCodeBytes = 8 * 64, kQ8PanelGroupBytes = kQ8PanelCodeBytes + 4 * kGemmCols + 2 * kGemmCols;
+
+void pack_q8_panels_range(const int8_t* codes, const at::Half* ws, int64_t n, int64_t k, int64_t p0, int64_t p1,
+                          uint8_t* out) {
+  const int64_t groups = k / kGroup;
+  for (int64_t pi = p0; pi < p1; ++pi)
+    for (int64_t g = 0; g < groups; ++g) {
+      uint8_t* dst = out + (pi * groups + g) * kQ8PanelGroupBytes;
+      for (int c = 0; c < kGemmCols; ++c) {
+        const int64_t row = pi * kGemmCols + c;
+        int32_t corr = 0;
+        if (row < n) {
+          const int8_t* src = codes + row * k + g * kGroup;
+          for (int t = 0; t < 8; ++t) std::memcpy(dst + t * 64 + 4 * c, src + 4 * t, 4);
+          for (int i = 0; i < kGroup; ++i) corr -= 128 * src[i];
+          std::memcpy(dst + kQ8PanelCodeBytes + 4 * kGemmCols + 2 * c, ws + row * groups + g, 2);
+        } else {
+          for (int t = 0; t < 8; ++t) std::memset(dst + t * 64 + 4 * c, 0, 4);
+          std::memset(dst + kQ8PanelCodeBytes + 4 * kGemmCols + 2 * c, 0, 2);
+        }
+        std::memcpy(dst + kQ8PanelCodeBytes + 4 * c, &corr, 4);
+      }
+    }
+}
+
+// xu: x's codes + 128 (unsigned), in element order.
+template <int R>
+void q8_panel_tile(const Int8Rows& xa, const uint8_t* xu, int64_t k, int64_t m0, const uint8_t* pp, float* y,
+                   int64_t ldy, int64_t n0, int cols) {
+  const int64_t groups = k / kGroup, blocks = groups / 8 * 8;
+  __m512 acc[R][8];
+  for (int r = 0; r < R; ++r)
+    for (int l = 0; l < 8; ++l) acc[r][l] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* pg = pp + g * kQ8PanelGroupBytes;
+    const uint8_t* xg = xu + m0 * k + g * kGroup;
+    const __m512 sw =
+        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + kQ8PanelCodeBytes + 4 * kGemmCols)));
+    __m512 sc[R];
+    for (int r = 0; r < R; ++r) sc[r] = _mm512_mul_ps(sw, _mm512_set1_ps(xa.d[(m0 + r) * groups + g]));
+    if (g < blocks) {
+      __m512i s[R];
+      const __m512i negc = _mm512_loadu_si512(pg + kQ8PanelCodeBytes);
+      for (int r = 0; r < R; ++r) s[r] = negc;
+#pragma GCC unroll 1
+      for (int t = 0; t < 8; ++t) {
+        const __m512i w = _mm512_loadu_si512(pg + t * 64);
+        for (int r = 0; r < R; ++r)
+          s[r] = _mm512_dpbusd_epi32(s[r], _mm512_set1_epi32(load_i32(reinterpret_cast<const int8_t*>(xg + r * k + 4 * t))), w);
+        for (int r = 0; r < R; ++r) asm("" : "+v"(s[r]));
+      }
+      for (int r = 0; r < R; ++r) acc[r][g % 8] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), sc[r], acc[r][g % 8]);
+    } else {
+      for (int t = 0; t < 8; ++t) {
+        const __m512i w = _mm512_loadu_si512(pg + t * 64);
+        const __m512i corr = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(static_cast<char>(0x80)), w);
+        for (int r = 0; r < R; ++r) {
+          const __m512i xb = _mm512_set1_epi32(load_i32(reinterpret_cast<const int8_t*>(xg + r * k + 4 * t)));
+          const __m512i q = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), xb, w), corr);
+          acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), sc[r], acc[r][t]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m512* a = acc[r];
+    const __m512 t0 = _mm512_add_ps(a[0], a[4]), t1 = _mm512_add_ps(a[1], a[5]);
+    const __m512 t2 = _mm512_add_ps(a[2], a[6]), t3 = _mm512_add_ps(a[3], a[7]);
+    const __m512 out = _mm512_add_ps(_mm512_add_ps(t0, t2), _mm512_add_ps(t1, t3));
+    _mm512_mask_storeu_ps(y + (m0 + r) * ldy + n0, static_cast<__mmask16>((1u << cols) - 1), out);
+  }
+}
+
+void q8_panel_range(const Int8Rows& xa, const uint8_t* xu, int64_t m, int64_t k, int64_t n, int64_t begin,
+                    int64_t end, const uint8_t* panels, float* y, int64_t ldy) {
+  const int64_t groups = k / kGroup;
+  for (int64_t n0 = begin; n0 < end; n0 += kGemmCols) {
+    const int cols = static_cast<int>(std::min<int64_t>(kGemmCols, std::min(end, n) - n0));
+    const uint8_t* pp = panels + (n0 / kGemmCols) * groups * kQ8PanelGroupBytes;
+    int64_t m0 = 0;
+    for (; m0 + kGemmRowsZ <= m; m0 += kGemmRowsZ) q8_panel_tile<kGemmRowsZ>(xa, xu, k, m0, pp, y, ldy, n0, cols);
+    switch (m - m0) {
+      case 3: q8_panel_tile<3>(xa, xu, k, m0, pp, y, ldy, n0, cols); break;
+      case 2: q8_panel_tile<2>(xa, xu, k, m0, pp, y, ldy, n0, cols); break;
+      case 1: q8_panel_tile<1>(xa, xu, k, m0, pp, y, ldy, n0, cols); break;
+    }
+  }
+}
 #else
 #define CW_Q4_PANELS 0
 #endif
@@ -1260,8 +1356,9 @@ void q4_gemm(const Int8Rows& xa, int64_t m, int64_t k, int64_t n, const uint8_t*
 }  // namespace
 #endif  // CW_SIMD
 
-// Whether this build multiplies q4 weights from panels (q4_panels; else they are not made).
-bool has_q4_panels() {
+// Whether this build multiplies q4 / q8 weights from panels (q4_panels, q8_panels; else they
+// are not made).
+bool has_panels() {
 #if CW_Q4_PANELS
   return true;
 #else
@@ -1270,12 +1367,34 @@ bool has_q4_panels() {
 }
 
 #if CW_Q4_PANELS
-void check_panels(const at::Tensor& panels, int64_t n, int64_t k) {
+void check_panels(const at::Tensor& panels, int64_t n, int64_t k, bool q4 = true) {
+  const int64_t bytes = q4 ? kPanelGroupBytes : kQ8PanelGroupBytes;
   TORCH_CHECK(panels.dtype() == at::kByte && panels.is_contiguous() && panels.dim() == 2 &&
-                  panels.size(0) == (n + kGemmCols - 1) / kGemmCols && panels.size(1) == k / kGroup * kPanelGroupBytes,
-              "q4 panels must be q4_panels' uint8 [ceil(N / 16), K / 32 * ", kPanelGroupBytes, "] for this weight");
+                  panels.size(0) == (n + kGemmCols - 1) / kGemmCols && panels.size(1) == k / kGroup * bytes,
+              q4 ? "q4 panels must be q4_panels'" : "q8 panels must be q8_panels'", " uint8 [ceil(N / 16), K / 32 * ",
+              bytes, "] for this weight");
 }
 #endif
+
+// A q8 weight (codes int8 [N, K], fp16 scales [N, K/32]) packed for the q8 panel tile.
+at::Tensor q8_panels(const at::Tensor& codes, const at::Tensor& scale) {
+#if CW_Q4_PANELS
+  const int64_t n = codes.size(0), k = codes.size(1), groups = k / kGroup;
+  TORCH_CHECK(codes.is_contiguous() && codes.dtype() == at::kChar && codes.dim() == 2 && k % kGroup == 0,
+              "q8 codes must be int8 [N, K], K a multiple of 32");
+  TORCH_CHECK(scale.dtype() == at::kHalf && scale.is_contiguous() && scale.numel() == n * groups,
+              "q8 scales must be fp16 [N, K/32]");
+  const int64_t np = (n + kGemmCols - 1) / kGemmCols;
+  at::Tensor out = at::empty({np, groups * kQ8PanelGroupBytes}, codes.options().dtype(at::kByte));
+  const int8_t* cp = codes.data_ptr<int8_t>();
+  const at::Half* sp = scale.data_ptr<at::Half>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  at::parallel_for(0, np, 16, [&](int64_t p0, int64_t p1) { pack_q8_panels_range(cp, sp, n, k, p0, p1, op); });
+  return out;
+#else
+  TORCH_CHECK(false, "q8 panels need the AVX-512 VNNI build of the kernels (has_panels() is False)");
+#endif
+}
 
 // A q4 weight (codes [N, K/2], fp16 scales and zeros [N, K/32]) packed for the panel tile.
 at::Tensor q4_panels(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& zero) {
@@ -1292,7 +1411,7 @@ at::Tensor q4_panels(const at::Tensor& codes, const at::Tensor& scale, const at:
   at::parallel_for(0, np, 16, [&](int64_t p0, int64_t p1) { pack_q4_panels_range(cp, sp, zp, n, k, p0, p1, op); });
   return out;
 #else
-  TORCH_CHECK(false, "q4 panels need the AVX-512 VNNI build of the kernels (has_q4_panels() is False)");
+  TORCH_CHECK(false, "q4 panels need the AVX-512 VNNI build of the kernels (has_panels() is False)");
 #endif
 }
 
@@ -1314,7 +1433,7 @@ at::Tensor q4_panel_linear(const at::Tensor& x, int64_t n, int64_t k, const at::
   });
   return y;
 #else
-  TORCH_CHECK(false, "q4 panels need the AVX-512 VNNI build of the kernels (has_q4_panels() is False)");
+  TORCH_CHECK(false, "q4 panels need the AVX-512 VNNI build of the kernels (has_panels() is False)");
 #endif
 }
 
@@ -1331,6 +1450,22 @@ at::Tensor quantized_linear_int8(const at::Tensor& x, const at::Tensor& codes, c
   at::Tensor y = at::empty({m, n}, x.options());
   Int8Rows xa;
   if (q4 && panels.has_value() && panels->numel()) return q4_panel_linear(x, n, k, *panels);  // any row count
+#if CW_Q4_PANELS
+  if (!q4 && panels.has_value() && panels->numel()) {
+    check_panels(*panels, n, k, false);
+    quantize_rows(x, xa, false);
+    std::vector<uint8_t> xu(xa.q.size());
+    for (size_t i = 0; i < xu.size(); ++i) xu[i] = static_cast<uint8_t>(xa.q[i]) ^ 0x80;  // x + 128
+    const uint8_t* pp = panels->data_ptr<uint8_t>();
+    float* yp = y.data_ptr<float>();
+    at::parallel_for(0, (n + kGemmCols - 1) / kGemmCols, 1, [&](int64_t begin, int64_t end) {
+      q8_panel_range(xa, xu.data(), m, k, n, begin * kGemmCols, end * kGemmCols, pp, yp, n);
+    });
+    return y;
+  }
+#else
+  TORCH_CHECK(!panels.has_value() || !panels->numel(), "panels need the AVX-512 VNNI build of the kernels");
+#endif
   const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
   const at::Half* sp = scale.data_ptr<at::Half>();
   const at::Half* zp = q4 ? zero->data_ptr<at::Half>() : nullptr;
@@ -2642,8 +2777,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantized_linear_int8", &quantized_linear_int8, nogil, "x @ dequant(q4 | q8)^T, x quantized to int8 per group",
         py::arg("x"), py::arg("codes"), py::arg("scale"), py::arg("zero") = py::none(),
         py::arg("panels") = py::none());
-  m.def("has_q4_panels", &has_q4_panels, "whether this build multiplies q4 weights from q4_panels' layout");
+  m.def("has_panels", &has_panels, "whether this build multiplies q4 / q8 weights with int8 activations from panels (q4_panels, q8_panels)");
   m.def("q4_panels", &q4_panels, nogil, "a q4 weight packed for quantized_linear_int8's panel tile (same bytes)");
+  m.def("q8_panels", &q8_panels, nogil, "a q8 weight packed for quantized_linear_int8's panel tile");
   m.def("dense_linear", &dense_linear, nogil, "x @ w^T for a plain fp32 weight at a few rows");
   m.def("decode_layer", &decode_layer, nogil, "one llama decode layer: norm, qkv, rope + KV write, attention, o, norm, MLP");
   // module_local: two builds of these kernels can then load in one process (an in-process

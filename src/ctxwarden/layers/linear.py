@@ -74,8 +74,8 @@ class LinearWeight:
     quant: QuantizedWeight | None = None
     dense_dtype: torch.dtype = torch.float32  # dtype a quantized weight is expanded to
     dense_kernel: bool = False  # plain fp32 / bf16, fp32 compute: ext's dense_linear at few rows
-    # a q4 weight with int8 activations, packed for ext's panel tile (q4_panels) where the
-    # kernels have it (AVX-512 VNNI): it then runs from these at every row count
+    # a weight with int8 activations packed for ext's panel tiles (int8_panels) where the
+    # kernels have them (AVX-512 VNNI): it then runs from these at every row count
     panels: torch.Tensor | None = None
 
     @property
@@ -126,7 +126,7 @@ def pack_linear(weight: torch.Tensor | QuantizedWeight, enabled: bool = True,
             if not weight.int8_activations:
                 qdense_min_rows()  # times the two q4/q8 paths once per process, sets the faster
             return LinearWeight(weight.codes, False, out_features, in_features, weight, dense_dtype,
-                                panels=q4_panels(weight))
+                                panels=int8_panels(weight))
         weight = dequantize(weight)
     out_features, in_features = weight.shape
     if enabled and can_pack(weight, dense_dtype):
@@ -306,7 +306,7 @@ def decode_kernel(w: LinearWeight) -> tuple[int, list[torch.Tensor]] | None:
     weight). Modes: 0 / 5 dense_linear on an fp32 / bf16 weight, 1 q4_linear, 2 q8_linear,
     3 / 4 quantized_linear_int8 on q4 / q8 codes, 6 on a q4 weight's panels."""
     q, empty = w.quant, torch.empty(0)
-    if w.panels is not None:
+    if w.panels is not None and q.kind == Q4:  # q8's panel tile is not in the stack: mode 4
         return 6, [q.codes, q.scale, w.panels]
     if q is not None:
         mode = (3 if q.kind == Q4 else 4) if q.int8_activations else (1 if q.kind == Q4 else 2)
@@ -316,16 +316,16 @@ def decode_kernel(w: LinearWeight) -> tuple[int, list[torch.Tensor]] | None:
     return None
 
 
-def q4_panels(q: QuantizedWeight) -> torch.Tensor | None:
-    """`q` packed for ext's panel tile, where it runs from one: a q4 weight with int8
-    activations on a build that has the tile (AVX-512 VNNI). The panels hold the codes,
-    scales and zero points again (the same bytes, in the tile's order); the row-major
-    codes stay for everything else that reads them. None elsewhere."""
+def int8_panels(q: QuantizedWeight) -> torch.Tensor | None:
+    """`q` packed for ext's panel tiles, where it runs from them: a weight with int8
+    activations on a build that has the tiles (AVX-512 VNNI). The panels hold the codes
+    and scales again in the tiles' order (q4: the same bytes; q8: 4 more per group, its
+    -128 sum(w)); the row-major codes stay for everything else that reads them (the
+    embedding lookup of a tied lm_head, dequantization). None elsewhere."""
     ext = kernels()
-    if (q.kind != Q4 or not q.int8_activations or ext is None or not hasattr(ext, "has_q4_panels")
-            or not ext.has_q4_panels()):
+    if not q.int8_activations or ext is None or not hasattr(ext, "has_panels") or not ext.has_panels():
         return None
-    return ext.q4_panels(q.codes, q.scale, q.zero)
+    return ext.q4_panels(q.codes, q.scale, q.zero) if q.kind == Q4 else ext.q8_panels(q.codes, q.scale)
 
 
 def dense_weight(w: LinearWeight) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 from ctxwarden.spec.checkpoint import Checkpoint, resolve_checkpoint
 from ctxwarden.plan.kv import KVLayout, kv_layout
 from ctxwarden.runner.attention import AttentionBackend, TorchPagedAttention
+from ctxwarden.runner.host_malloc import tune_malloc
 from ctxwarden.runner.inputs import ForwardBatch, build_step_inputs
 from ctxwarden.runner.kv_cache import PagedKVCache
 
@@ -88,6 +89,7 @@ class ModelRunner:
         from ctxwarden.models.loader import load_model
 
         bound_primitive_cache()
+        tune_malloc()
         self.checkpoint = model if isinstance(model, Checkpoint) else resolve_checkpoint(model)
         self.config = config
         self.spec = self.checkpoint.spec

@@ -26,7 +26,9 @@ Three layouts (`LinearWeight.kind`):
   dequantization is then a few percent of the matmul, and dense GEMMs are far faster per
   row than a dequantizing kernel. A weight loaded with int8 activations
   (weights="auto-int8act") takes the integer kernels at every row count instead (q4:
-  the 4 x 2 tiles below 16 rows, the GEMM from 16, bit-identical to each other): each
+  the 4 x 2 tiles below 16 rows, the GEMM from 16; on AVX-512 VNNI builds, q4 and q8
+  alike, one panel tile at every row count on the weight packed once at load,
+  `int8_panels`; all bit-identical to each other): each
   row's result is then the same in any batch and at any step size, so chunking,
   batching and recompute after preemption reproduce one another exactly.
 

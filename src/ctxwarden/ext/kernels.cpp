@@ -28,6 +28,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <thread>
 #include <utility>
@@ -1678,6 +1679,45 @@ inline void weigh_values(const float* const* p, const T* vp, const int64_t* slot
   for (int g = 0; g < GN; ++g) vstore(out[g] + c * 16, acc[g]);
 }
 
+#if CW_SIMD == 2
+// weigh_values for all NC chunks of the head at once (AVX-512: 32 zmm hold GN x NC <= 12
+// accumulators and NC value vectors): each key's value slice is loaded once, and GN x NC
+// independent FMA chains run instead of GN, whose latency bounded the chunk-at-a-time loop.
+// Every accumulator still adds the tile's keys in order: the same bits as weigh_values.
+template <int GN, int NC, typename T>
+inline void weigh_values_all(const float* const* p, const T* vp, const int64_t* slots, int64_t row, int64_t n,
+                             float* const* out, int64_t ahead, int64_t d) {
+  V16 acc[GN][NC];
+  for (int g = 0; g < GN; ++g)
+    for (int c = 0; c < NC; ++c) acc[g][c] = vload(out[g] + c * 16);
+  for (int64_t j = 0; j < n; ++j) {
+    if (j < ahead) prefetch_head(vp + slots[n + j] * row, d);
+    const T* vr = vp + slots[j] * row;
+    V16 v[NC];
+    for (int c = 0; c < NC; ++c) v[c] = vload(vr + c * 16);
+    for (int g = 0; g < GN; ++g) {
+      const V16 pg = vset1(p[g][j]);
+      for (int c = 0; c < NC; ++c) acc[g][c] = vfmadd(pg, v[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < GN; ++g)
+    for (int c = 0; c < NC; ++c) vstore(out[g] + c * 16, acc[g][c]);
+}
+#endif
+
+// The largest of n scores (exact in any order: the same value as a scalar scan).
+inline float max_score(const float* s, int64_t n) {
+  float top = -std::numeric_limits<float>::infinity();
+  int64_t j = 0;
+  if (n >= 16) {
+    V16 m = vload(s);
+    for (j = 16; j + 16 <= n; j += 16) m = vmax(m, vload(s + j));
+    top = vhmax(m);
+  }
+  for (; j < n; ++j) top = std::max(top, s[j]);
+  return top;
+}
+
 #endif  // CW_SIMD
 
 // Query heads [u0, u1) in runs of at most 4 that share one KV head: f(kv head, first head, count).
@@ -1754,7 +1794,11 @@ void decode_heads(const DecodeArgs& a, const float* q, const float* q_sink, cons
     for (int64_t i = 0; i < nu * num_keys; ++i) sc[i] = a.softcap * std::tanh(sc[i] / a.softcap);
   for (int64_t u = 0; u < nu; ++u) {
     float* su = sc + u * num_keys;
+#if CW_SIMD
+    inv[u] = 1.f / exp_sum(su, num_keys, max_score(su, num_keys));
+#else
     inv[u] = 1.f / exp_sum(su, num_keys, *std::max_element(su, su + num_keys));
+#endif
   }
   std::fill(out + u0 * d, out + u1 * d, 0.f);
   if (vec) {
@@ -1770,6 +1814,9 @@ void decode_heads(const DecodeArgs& a, const float* q, const float* q_sink, cons
           o[g] = out + (u + g) * d;
         }
         by_group_size(gn, [&](auto GN) {
+#if CW_SIMD == 2
+          if (d == 64) return weigh_values_all<decltype(GN)::value, 4>(p, vp + h * d, slots + j0, row, tn, o, next, d);
+#endif
           for (int64_t c = 0; c < d / 16; ++c)
             weigh_values<decltype(GN)::value>(p, vp + h * d, slots + j0, row, tn, c, o, next, d);
         });

@@ -1087,6 +1087,37 @@ void q4_gemm_tile(const Int8Rows& xa, int64_t k, int64_t m0, const Q4Panel& p, f
 #define CW_GEMM_ROWS_Z 4
 #endif
 constexpr int kGemmRowsZ = CW_GEMM_ROWS_Z;
+
+// Group g's int32 sums s[r] (16 weight rows each) scaled into the lane q4 group g takes
+// (the first 8 groups start their lanes), then its zero point: the ymm tile's fp32
+// operations on both halves at once.
+template <int R>
+inline void add_q4_group_z(__m512 (&acc)[R][8], const __m512i* s, __m512 sw, __m512 zw, const Int8Rows& xa,
+                           int64_t m0, int64_t g, int64_t groups) {
+  const int lane = q4_lane(g % 8);
+  const bool first = g < 8;
+  for (int r = 0; r < R; ++r) {
+    const int64_t xi = (m0 + r) * groups + g;
+    const __m512 f = _mm512_cvtepi32_ps(s[r]);
+    const __m512 sc = _mm512_mul_ps(sw, _mm512_set1_ps(xa.d[xi]));
+    __m512& a = acc[r][lane];
+    a = first ? _mm512_mul_ps(f, sc) : _mm512_fmadd_ps(f, sc, a);
+    a = _mm512_fmadd_ps(zw, _mm512_set1_ps(xa.sum[xi]), a);
+  }
+}
+
+// Each row's 8 lanes reduced in hsum8f's tree, ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 +
+// l7)), into y's cols (<= 16) columns from n0.
+template <int R>
+inline void store_lanes_z(const __m512 (&acc)[R][8], float* y, int64_t ldy, int64_t m0, int64_t n0, int cols) {
+  for (int r = 0; r < R; ++r) {
+    const __m512* a = acc[r];
+    const __m512 t0 = _mm512_add_ps(a[0], a[4]), t1 = _mm512_add_ps(a[1], a[5]);
+    const __m512 t2 = _mm512_add_ps(a[2], a[6]), t3 = _mm512_add_ps(a[3], a[7]);
+    const __m512 out = _mm512_add_ps(_mm512_add_ps(t0, t2), _mm512_add_ps(t1, t3));
+    _mm512_mask_storeu_ps(y + (m0 + r) * ldy + n0, static_cast<__mmask16>((1u << cols) - 1), out);
+  }
+}
 template <int R>
 void q4_gemm_tile_z(const Int8Rows& xa, int64_t k, int64_t m0, const Q4Panel& p, float* y, int64_t ldy,
                     int64_t n0, int cols) {
@@ -1109,26 +1140,10 @@ void q4_gemm_tile_z(const Int8Rows& xa, int64_t k, int64_t m0, const Q4Panel& p,
       for (int r = 0; r < R; ++r) s[r] = _mm512_dpbusd_epi32(s[r], w, _mm512_set1_epi32(load_i32(xg + r * k + t * 4)));
       for (int r = 0; r < R; ++r) asm("" : "+v"(s[r]));
     }
-    const int lane = q4_lane(g % 8);
-    const bool first = g < 8;
-    const __m512 sw = _mm512_loadu_ps(p.sw.data() + g * kGemmCols);
-    const __m512 zw = _mm512_loadu_ps(p.zw.data() + g * kGemmCols);
-    for (int r = 0; r < R; ++r) {
-      const int64_t xi = (m0 + r) * groups + g;
-      const __m512 f = _mm512_cvtepi32_ps(s[r]);
-      const __m512 sc = _mm512_mul_ps(sw, _mm512_set1_ps(xa.d[xi]));
-      __m512& a = acc[r][lane];
-      a = first ? _mm512_mul_ps(f, sc) : _mm512_fmadd_ps(f, sc, a);
-      a = _mm512_fmadd_ps(zw, _mm512_set1_ps(xa.sum[xi]), a);
-    }
+    add_q4_group_z<R>(acc, s, _mm512_loadu_ps(p.sw.data() + g * kGemmCols),
+                      _mm512_loadu_ps(p.zw.data() + g * kGemmCols), xa, m0, g, groups);
   }
-  for (int r = 0; r < R; ++r) {
-    const __m512* a = acc[r];
-    const __m512 t0 = _mm512_add_ps(a[0], a[4]), t1 = _mm512_add_ps(a[1], a[5]);
-    const __m512 t2 = _mm512_add_ps(a[2], a[6]), t3 = _mm512_add_ps(a[3], a[7]);
-    const __m512 out = _mm512_add_ps(_mm512_add_ps(t0, t2), _mm512_add_ps(t1, t3));
-    _mm512_mask_storeu_ps(y + (m0 + r) * ldy + n0, static_cast<__mmask16>((1u << cols) - 1), out);
-  }
+  store_lanes_z<R>(acc, y, ldy, m0, n0, cols);
 }
 #endif
 
@@ -1143,26 +1158,30 @@ void q4_gemm_tile_z(const Int8Rows& xa, int64_t k, int64_t m0, const Q4Panel& p,
 #define CW_Q4_PANELS 1
 constexpr int64_t kPanelCodeBytes = 4 * 64, kPanelGroupBytes = kPanelCodeBytes + 2 * 2 * kGemmCols;
 
+// f(panel group's bytes, group g, column c, weight row) for every (panel, group, column) of
+// panels [p0, p1), group_bytes each.
+template <typename F>
+inline void for_panel_columns(int64_t groups, int64_t group_bytes, int64_t p0, int64_t p1, uint8_t* out, F&& f) {
+  for (int64_t pi = p0; pi < p1; ++pi)
+    for (int64_t g = 0; g < groups; ++g)
+      for (int c = 0; c < kGemmCols; ++c) f(out + (pi * groups + g) * group_bytes, g, c, pi * kGemmCols + c);
+}
+
 void pack_q4_panels_range(const uint8_t* codes, const at::Half* ws, const at::Half* wz, int64_t n, int64_t k,
                           int64_t p0, int64_t p1, uint8_t* out) {
   const int64_t groups = k / kGroup;
-  for (int64_t pi = p0; pi < p1; ++pi)
-    for (int64_t g = 0; g < groups; ++g) {
-      uint8_t* dst = out + (pi * groups + g) * kPanelGroupBytes;
-      for (int c = 0; c < kGemmCols; ++c) {
-        const int64_t row = pi * kGemmCols + c;
-        uint8_t* sd = dst + kPanelCodeBytes + 2 * c;
-        if (row >= n) {
-          for (int j = 0; j < 4; ++j) std::memset(dst + j * 64 + 4 * c, 0, 4);
-          std::memset(sd, 0, 2), std::memset(sd + 2 * kGemmCols, 0, 2);
-          continue;
-        }
-        const uint8_t* src = codes + row * (k / 2) + g * 16;
-        for (int j = 0; j < 4; ++j) std::memcpy(dst + j * 64 + 4 * c, src + 4 * j, 4);
-        std::memcpy(sd, ws + row * groups + g, 2);
-        std::memcpy(sd + 2 * kGemmCols, wz + row * groups + g, 2);
-      }
+  for_panel_columns(groups, kPanelGroupBytes, p0, p1, out, [&](uint8_t* dst, int64_t g, int c, int64_t row) {
+    uint8_t* sd = dst + kPanelCodeBytes + 2 * c;
+    if (row >= n) {
+      for (int j = 0; j < 4; ++j) std::memset(dst + j * 64 + 4 * c, 0, 4);
+      std::memset(sd, 0, 2), std::memset(sd + 2 * kGemmCols, 0, 2);
+      return;
     }
+    const uint8_t* src = codes + row * (k / 2) + g * 16;
+    for (int j = 0; j < 4; ++j) std::memcpy(dst + j * 64 + 4 * c, src + 4 * j, 4);
+    std::memcpy(sd, ws + row * groups + g, 2);
+    std::memcpy(sd + 2 * kGemmCols, wz + row * groups + g, 2);
+  });
 }
 
 // q4_gemm_tile_z's numbers from a packed panel (its first group at pp): the nibbles split in
@@ -1189,26 +1208,11 @@ void q4_panel_tile(const Int8Rows& xa, int64_t k, int64_t m0, const uint8_t* pp,
         s[r] = _mm512_dpbusd_epi32(s[r], hi, _mm512_set1_epi32(load_i32(xg + r * k + 16 + 4 * j)));
       for (int r = 0; r < R; ++r) asm("" : "+v"(s[r]));
     }
-    const int lane = q4_lane(g % 8);
-    const bool first = g < 8;
-    const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + kPanelCodeBytes)));
-    const __m512 zw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + kPanelCodeBytes + 32)));
-    for (int r = 0; r < R; ++r) {
-      const int64_t xi = (m0 + r) * groups + g;
-      const __m512 f = _mm512_cvtepi32_ps(s[r]);
-      const __m512 sc = _mm512_mul_ps(sw, _mm512_set1_ps(xa.d[xi]));
-      __m512& a = acc[r][lane];
-      a = first ? _mm512_mul_ps(f, sc) : _mm512_fmadd_ps(f, sc, a);
-      a = _mm512_fmadd_ps(zw, _mm512_set1_ps(xa.sum[xi]), a);
-    }
+    const __m256i* half = reinterpret_cast<const __m256i*>(pg + kPanelCodeBytes);
+    add_q4_group_z<R>(acc, s, _mm512_cvtph_ps(_mm256_loadu_si256(half)), _mm512_cvtph_ps(_mm256_loadu_si256(half + 1)),
+                      xa, m0, g, groups);
   }
-  for (int r = 0; r < R; ++r) {
-    const __m512* a = acc[r];
-    const __m512 t0 = _mm512_add_ps(a[0], a[4]), t1 = _mm512_add_ps(a[1], a[5]);
-    const __m512 t2 = _mm512_add_ps(a[2], a[6]), t3 = _mm512_add_ps(a[3], a[7]);
-    const __m512 out = _mm512_add_ps(_mm512_add_ps(t0, t2), _mm512_add_ps(t1, t3));
-    _mm512_mask_storeu_ps(y + (m0 + r) * ldy + n0, static_cast<__mmask16>((1u << cols) - 1), out);
-  }
+  store_lanes_z<R>(acc, y, ldy, m0, n0, cols);
 }
 
 // Weight rows [begin, end) (begin a multiple of 16) from packed panels, every row of x.
@@ -1240,24 +1244,19 @@ constexpr int64_t kQ8PanelCodeBytes = 8 * 64, kQ8PanelGroupBytes = kQ8PanelCodeB
 void pack_q8_panels_range(const int8_t* codes, const at::Half* ws, int64_t n, int64_t k, int64_t p0, int64_t p1,
                           uint8_t* out) {
   const int64_t groups = k / kGroup;
-  for (int64_t pi = p0; pi < p1; ++pi)
-    for (int64_t g = 0; g < groups; ++g) {
-      uint8_t* dst = out + (pi * groups + g) * kQ8PanelGroupBytes;
-      for (int c = 0; c < kGemmCols; ++c) {
-        const int64_t row = pi * kGemmCols + c;
-        int32_t corr = 0;
-        if (row < n) {
-          const int8_t* src = codes + row * k + g * kGroup;
-          for (int t = 0; t < 8; ++t) std::memcpy(dst + t * 64 + 4 * c, src + 4 * t, 4);
-          for (int i = 0; i < kGroup; ++i) corr -= 128 * src[i];
-          std::memcpy(dst + kQ8PanelCodeBytes + 4 * kGemmCols + 2 * c, ws + row * groups + g, 2);
-        } else {
-          for (int t = 0; t < 8; ++t) std::memset(dst + t * 64 + 4 * c, 0, 4);
-          std::memset(dst + kQ8PanelCodeBytes + 4 * kGemmCols + 2 * c, 0, 2);
-        }
-        std::memcpy(dst + kQ8PanelCodeBytes + 4 * c, &corr, 4);
-      }
+  for_panel_columns(groups, kQ8PanelGroupBytes, p0, p1, out, [&](uint8_t* dst, int64_t g, int c, int64_t row) {
+    int32_t corr = 0;
+    if (row < n) {
+      const int8_t* src = codes + row * k + g * kGroup;
+      for (int t = 0; t < 8; ++t) std::memcpy(dst + t * 64 + 4 * c, src + 4 * t, 4);
+      for (int i = 0; i < kGroup; ++i) corr -= 128 * src[i];
+      std::memcpy(dst + kQ8PanelCodeBytes + 4 * kGemmCols + 2 * c, ws + row * groups + g, 2);
+    } else {
+      for (int t = 0; t < 8; ++t) std::memset(dst + t * 64 + 4 * c, 0, 4);
+      std::memset(dst + kQ8PanelCodeBytes + 4 * kGemmCols + 2 * c, 0, 2);
     }
+    std::memcpy(dst + kQ8PanelCodeBytes + 4 * c, &corr, 4);
+  });
 }
 
 // xu: x's codes + 128 (unsigned), in element order.
@@ -1299,13 +1298,7 @@ void q8_panel_tile(const Int8Rows& xa, const uint8_t* xu, int64_t k, int64_t m0,
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    const __m512* a = acc[r];
-    const __m512 t0 = _mm512_add_ps(a[0], a[4]), t1 = _mm512_add_ps(a[1], a[5]);
-    const __m512 t2 = _mm512_add_ps(a[2], a[6]), t3 = _mm512_add_ps(a[3], a[7]);
-    const __m512 out = _mm512_add_ps(_mm512_add_ps(t0, t2), _mm512_add_ps(t1, t3));
-    _mm512_mask_storeu_ps(y + (m0 + r) * ldy + n0, static_cast<__mmask16>((1u << cols) - 1), out);
-  }
+  store_lanes_z<R>(acc, y, ldy, m0, n0, cols);
 }
 
 void q8_panel_range(const Int8Rows& xa, const uint8_t* xu, int64_t m, int64_t k, int64_t n, int64_t begin,

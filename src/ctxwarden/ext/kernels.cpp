@@ -1080,13 +1080,28 @@ void q4_gemm_tile(const Int8Rows& xa, int64_t k, int64_t m0, const Q4Panel& p, f
 }
 
 #if CW_VNNI && defined(__AVX512F__)
-// The same tile on zmm: the panel's 16 weight rows in one register (its two ymm halves side
-// by side), every operation of q4_gemm_tile's on both halves at once, so the same bits in
-// half the instructions.
+// The panel tiles below (weights packed at load) are q4_gemm_tile on zmm: a panel's 16
+// weight rows in one register (its two ymm halves side by side), every operation of the
+// ymm tile on both halves at once, so the same bits in half the instructions. (An
+// unpacked-panel zmm tile measured 1.19-1.25x the ymm one; with the weights packed at load
+// it was never reached, so only the packed one is kept.)
 #if !defined(CW_GEMM_ROWS_Z)
 #define CW_GEMM_ROWS_Z 4
 #endif
 constexpr int kGemmRowsZ = CW_GEMM_ROWS_Z;
+
+// tile(std::integral_constant<int, R>, m0) over m rows: tiles of kGemmRowsZ rows, then one
+// of the 1-3 rows left.
+template <typename F>
+inline void for_row_tiles(int64_t m, F&& tile) {
+  int64_t m0 = 0;
+  for (; m0 + kGemmRowsZ <= m; m0 += kGemmRowsZ) tile(std::integral_constant<int, kGemmRowsZ>{}, m0);
+  switch (m - m0) {
+    case 3: tile(std::integral_constant<int, 3>{}, m0); break;
+    case 2: tile(std::integral_constant<int, 2>{}, m0); break;
+    case 1: tile(std::integral_constant<int, 1>{}, m0); break;
+  }
+}
 
 // Group g's int32 sums s[r] (16 weight rows each) scaled into the lane q4 group g takes
 // (the first 8 groups start their lanes), then its zero point: the ymm tile's fp32
@@ -1117,33 +1132,6 @@ inline void store_lanes_z(const __m512 (&acc)[R][8], float* y, int64_t ldy, int6
     const __m512 out = _mm512_add_ps(_mm512_add_ps(t0, t2), _mm512_add_ps(t1, t3));
     _mm512_mask_storeu_ps(y + (m0 + r) * ldy + n0, static_cast<__mmask16>((1u << cols) - 1), out);
   }
-}
-template <int R>
-void q4_gemm_tile_z(const Int8Rows& xa, int64_t k, int64_t m0, const Q4Panel& p, float* y, int64_t ldy,
-                    int64_t n0, int cols) {
-  const int64_t groups = k / kGroup;
-  __m512 acc[R][8];  // [row][lane]
-  for (int64_t o = groups; o < 8; ++o)
-    for (int r = 0; r < R; ++r) acc[r][q4_lane(o)] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    __m512i s[R];
-    const int32_t* quad = p.quads.data() + g * 8 * kGemmCols;
-    const int8_t* xg = xa.q.data() + m0 * k + g * kGroup;
-    {
-      const __m512i w = _mm512_loadu_si512(quad);
-      for (int r = 0; r < R; ++r)
-        s[r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_set1_epi32(load_i32(xg + r * k)));
-    }
-#pragma GCC unroll 1
-    for (int t = 1; t < 8; ++t) {
-      const __m512i w = _mm512_loadu_si512(quad + t * kGemmCols);
-      for (int r = 0; r < R; ++r) s[r] = _mm512_dpbusd_epi32(s[r], w, _mm512_set1_epi32(load_i32(xg + r * k + t * 4)));
-      for (int r = 0; r < R; ++r) asm("" : "+v"(s[r]));
-    }
-    add_q4_group_z<R>(acc, s, _mm512_loadu_ps(p.sw.data() + g * kGemmCols),
-                      _mm512_loadu_ps(p.zw.data() + g * kGemmCols), xa, m0, g, groups);
-  }
-  store_lanes_z<R>(acc, y, ldy, m0, n0, cols);
 }
 #endif
 
@@ -1184,7 +1172,7 @@ void pack_q4_panels_range(const uint8_t* codes, const at::Half* ws, const at::Ha
   });
 }
 
-// q4_gemm_tile_z's numbers from a packed panel (its first group at pp): the nibbles split in
+// q4_gemm_tile's numbers from a packed panel (its first group at pp): the nibbles split in
 // registers (the int32 sums are the same whichever order the quads add in).
 template <int R>
 void q4_panel_tile(const Int8Rows& xa, int64_t k, int64_t m0, const uint8_t* pp, float* y, int64_t ldy,
@@ -1222,13 +1210,7 @@ void q4_panel_range(const Int8Rows& xa, int64_t m, int64_t k, int64_t n, int64_t
   for (int64_t n0 = begin; n0 < end; n0 += kGemmCols) {
     const int cols = static_cast<int>(std::min<int64_t>(kGemmCols, std::min(end, n) - n0));
     const uint8_t* pp = panels + (n0 / kGemmCols) * groups * kPanelGroupBytes;
-    int64_t m0 = 0;
-    for (; m0 + kGemmRowsZ <= m; m0 += kGemmRowsZ) q4_panel_tile<kGemmRowsZ>(xa, k, m0, pp, y, ldy, n0, cols);
-    switch (m - m0) {
-      case 3: q4_panel_tile<3>(xa, k, m0, pp, y, ldy, n0, cols); break;
-      case 2: q4_panel_tile<2>(xa, k, m0, pp, y, ldy, n0, cols); break;
-      case 1: q4_panel_tile<1>(xa, k, m0, pp, y, ldy, n0, cols); break;
-    }
+    for_row_tiles(m, [&](auto R, int64_t m0) { q4_panel_tile<decltype(R)::value>(xa, k, m0, pp, y, ldy, n0, cols); });
   }
 }
 
@@ -1307,13 +1289,9 @@ void q8_panel_range(const Int8Rows& xa, const uint8_t* xu, int64_t m, int64_t k,
   for (int64_t n0 = begin; n0 < end; n0 += kGemmCols) {
     const int cols = static_cast<int>(std::min<int64_t>(kGemmCols, std::min(end, n) - n0));
     const uint8_t* pp = panels + (n0 / kGemmCols) * groups * kQ8PanelGroupBytes;
-    int64_t m0 = 0;
-    for (; m0 + kGemmRowsZ <= m; m0 += kGemmRowsZ) q8_panel_tile<kGemmRowsZ>(xa, xu, k, m0, pp, y, ldy, n0, cols);
-    switch (m - m0) {
-      case 3: q8_panel_tile<3>(xa, xu, k, m0, pp, y, ldy, n0, cols); break;
-      case 2: q8_panel_tile<2>(xa, xu, k, m0, pp, y, ldy, n0, cols); break;
-      case 1: q8_panel_tile<1>(xa, xu, k, m0, pp, y, ldy, n0, cols); break;
-    }
+    for_row_tiles(m, [&](auto R, int64_t m0) {
+      q8_panel_tile<decltype(R)::value>(xa, xu, k, m0, pp, y, ldy, n0, cols);
+    });
   }
 }
 #else
@@ -1328,13 +1306,8 @@ void q4_gemm_range(const Int8Rows& xa, int64_t m, int64_t k, int64_t begin, int6
     const int cols = static_cast<int>(std::min<int64_t>(kGemmCols, end - n0));
     pack_q4_panel(cp, sp, zp, k, n0, cols, p);
     int64_t m0 = 0;
-#if CW_VNNI && defined(__AVX512F__)
-    for (; m0 + kGemmRowsZ <= m; m0 += kGemmRowsZ) q4_gemm_tile_z<kGemmRowsZ>(xa, k, m0, p, yp, ldy, n0, cols);
-    for (; m0 < m; ++m0) q4_gemm_tile_z<1>(xa, k, m0, p, yp, ldy, n0, cols);
-#else
     for (; m0 + kGemmRows <= m; m0 += kGemmRows) q4_gemm_tile<kGemmRows>(xa, k, m0, p, yp, ldy, n0, cols);
     for (; m0 < m; ++m0) q4_gemm_tile<1>(xa, k, m0, p, yp, ldy, n0, cols);
-#endif
   }
 }
 

@@ -325,7 +325,7 @@ def int8_panels(q: QuantizedWeight) -> torch.Tensor | None:
     -128 sum(w)); the row-major codes stay for everything else that reads them (the
     embedding lookup of a tied lm_head, dequantization). None elsewhere."""
     ext = kernels()
-    if not q.int8_activations or ext is None or not hasattr(ext, "has_panels") or not ext.has_panels():
+    if not q.int8_activations or ext is None or not ext.has_panels():
         return None
     return ext.q4_panels(q.codes, q.scale, q.zero) if q.kind == Q4 else ext.q8_panels(q.codes, q.scale)
 

@@ -64,6 +64,28 @@ def test_preempted_sequence_recomputes_from_the_cache():
     assert m.pool.evictable_block_ids() == [3]
 
 
+def test_shared_tokens_bound_what_is_looked_up_and_cached():
+    """With shared_tokens (the engine passes the prompt's length when generated tokens'
+    KV differs from a prompt's), blocks past it are neither registered nor hit."""
+    m = make()
+    prompt = list(range(6))  # block 0 full, block 1 half prompt
+    m.allocate("a", prompt, shared_tokens=6)
+    m.append("a", [100, 101, 102, 103, 104, 105])  # blocks 1 (mixed) and 2 (generated) fill
+    assert [b for _, b in m.pool.cached_items()] == m.block_tables("a")[0][:1]  # block 0 alone
+    tokens = prompt + [100, 101, 102, 103, 104, 105]
+    m.free("a")  # preemption by recompute: the generated tokens are recomputed
+    again = m.allocate("a", tokens, shared_tokens=6)
+    assert again.num_computed_tokens == 4
+    # another prompt holding those tokens as its prompt computes its own blocks, and
+    # caches them: they are prompt KV
+    b = m.allocate("b", tokens + [7])
+    assert b.num_computed_tokens == 4
+    assert m.allocate("c", tokens + [7, 8]).num_computed_tokens == 12
+    # the recomputed sequence still never hits them (they were made as prompt tokens)
+    m.free("a")
+    assert m.allocate("a", tokens, shared_tokens=6).num_computed_tokens == 4
+
+
 def test_eviction_under_pressure_takes_tails_of_the_chain_first():
     m = make(num_blocks=6)
     m.allocate("a", list(range(12)))  # blocks 0, 1, 2 cached

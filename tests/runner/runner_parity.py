@@ -88,7 +88,7 @@ def tables_for(runner: ModelRunner, pages: PageAllocator, max_tokens: int):
 def paged_run(runner: ModelRunner, prompt: list[int], num_decode: int,
               chunk_tokens: int | None = None, seed: int = 0, rope_prompt: bool = False) -> Reference:
     """Prefill (optionally in chunks) and decode greedily through the paged runner; with
-    `rope_prompt`, every input says the prompt's length (SequenceInput.rope_prompt_tokens)."""
+    `rope_prompt`, every input says the prompt's length (SequenceInput.num_prompt_tokens)."""
     known = len(prompt) if rope_prompt else 0
     pages = PageAllocator(runner.config.num_blocks, seed)
     tables = tables_for(runner, pages, len(prompt) + num_decode + 1)

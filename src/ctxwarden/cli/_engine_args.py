@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import MISSING, fields
 
-from ctxwarden.engine.config import (PREEMPTION_MODES, RUNNER_KV_DTYPES, TIER_FETCH_POLICIES, WEIGHTS_MODES,
-                                     EngineConfig)
+from ctxwarden.engine.config import (PREEMPTION_MODES, PROMPT_ATTENTION_MODES, RUNNER_KV_DTYPES,
+                                     TIER_FETCH_POLICIES, WEIGHTS_MODES, EngineConfig)
 from ctxwarden.spec.dtypes import ACTIVATION_DTYPES
 
 # field -> (flag, help). Byte sizes take units; the flag name drops the `_bytes` suffix.
@@ -47,13 +47,16 @@ _FLAGS = {
                       "recomputing; always: fetch whatever a tier holds"),
     "attention_sample_rate": ("--attention-sample-rate", "share of requests whose attention is monitored "
                               "(entropy, sink mass; GET /debug/attention/ID); 0 = off"),
+    "prompt_attention": ("--prompt-attention", "prompt rows' attention: auto (bf16 dot products where the KV "
+                         "cache is bf16 and the CPU has AVX512-BF16), bf16, fp32; generated rows stay fp32"),
 }
 _FLOATS = ("max_queue_delay_s", "attention_sample_rate")
 _TEXT_FIELDS = {"model": "MODEL", "kv_tiers": "TIERS", "rope_scaling": "JSON"}  # free text, not a number
 _CHOICES = {"dtype": ACTIVATION_DTYPES + ("float32", "bfloat16", "float16"),
             "kv_dtype": RUNNER_KV_DTYPES + ("float32", "bfloat16", "float16", "fp8", "float8_e4m3fn",
                                          "float8_e5m2"),
-            "preemption_mode": PREEMPTION_MODES, "kv_tier_fetch": TIER_FETCH_POLICIES, "weights": WEIGHTS_MODES}
+            "preemption_mode": PREEMPTION_MODES, "kv_tier_fetch": TIER_FETCH_POLICIES, "weights": WEIGHTS_MODES,
+            "prompt_attention": PROMPT_ATTENTION_MODES}
 
 
 def add_engine_arguments(p: argparse.ArgumentParser, **default_overrides) -> None:

@@ -27,6 +27,7 @@ RUNNER_KV_DTYPES = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
 # rounded to int8 per group of 32 (integer dot products, llama.cpp's method; at every step
 # size, so a row's result never depends on its batch).
 WEIGHTS_MODES = ("auto", "fp32", "bf16", "int8", "int4", "auto-int8act")
+PROMPT_ATTENTION_MODES = ("auto", "bf16", "fp32")  # runner.model_runner.resolve_prompt_attention
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,9 @@ class EngineConfig:
     rope_scaling: dict | str | None = None
     allow_long_max_model_len: bool = False  # max_model_len past the model's window, unscaled
     attention_sample_rate: float = 0.0  # share of requests whose attention is monitored (0: off)
+    # prompt rows' attention: auto (bf16 dot products with a bf16 KV cache on AVX-512 BF16), bf16,
+    # fp32; None: $CTXWARDEN_PROMPT_ATTENTION, else auto
+    prompt_attention: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "rope_scaling", parse_rope_scaling(self.rope_scaling))
@@ -86,6 +90,11 @@ class EngineConfig:
             raise ValueError(f"max_queue_delay_s must be > 0 (or None: no limit), got {self.max_queue_delay_s}")
         if self.contended_prefill_tokens is not None and self.contended_prefill_tokens < 1:
             raise ValueError(f"contended_prefill_tokens must be >= 1, got {self.contended_prefill_tokens}")
+        object.__setattr__(self, "prompt_attention",
+                           self.prompt_attention or os.environ.get("CTXWARDEN_PROMPT_ATTENTION") or "auto")
+        if self.prompt_attention not in PROMPT_ATTENTION_MODES:
+            raise ValueError(f"prompt_attention must be one of {', '.join(PROMPT_ATTENTION_MODES)}, "
+                             f"got {self.prompt_attention!r}")
         if not 0.0 <= self.attention_sample_rate <= 1.0:
             raise ValueError(f"attention_sample_rate must be in [0, 1] (a share of requests), got "
                              f"{self.attention_sample_rate}")

@@ -79,7 +79,7 @@ class Engine:
         self.runner = ModelRunner(self.checkpoint, RunnerConfig(
             num_blocks=self.num_blocks, block_size=config.block_size, kv_dtype=config.kv_dtype,
             dtype=config.dtype, window_tokens=config.window_tokens, sink_tokens=config.sink_tokens,
-            weights=config.weights))
+            weights=config.weights, prompt_attention=config.prompt_attention))
         self.attention = attach_monitor(self.runner, config.attention_sample_rate)  # None: off
         self.attention_done: OrderedDict = OrderedDict()  # request id -> RequestAttention (finished)
         self.tiers, extra_keys = self._open_tiers()
@@ -89,7 +89,8 @@ class Engine:
             self._scheduler_config(), PreemptionCost(
                 flops_per_token=2.0 * count_parameters(self.spec),
                 kv_bytes_per_token=kv_bytes_per_token(self.spec, config.kv_dtype)),
-            tiers=self.tiers, extra_keys=extra_keys, tier_fetch=config.kv_tier_fetch)
+            tiers=self.tiers, extra_keys=extra_keys, tier_fetch=config.kv_tier_fetch,
+            prompt_blocks_only=self.runner.prompt_rows_apart)
         self.tokenizer = _load_tokenizer(self.checkpoint)
         eos = set(self.spec.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()))
         self.outputs = OutputProcessor(self.tokenizer, eos, None if config.is_unbounded_length
@@ -125,7 +126,8 @@ class Engine:
         c = self.config
         if not c.kv_tiers.is_enabled:
             return None, ()
-        ns = tier_namespace(self.checkpoint, c.dtype, c.kv_dtype, self.runner.layout, c.block_size, c.weights)
+        ns = tier_namespace(self.checkpoint, c.dtype, c.kv_dtype, self.runner.layout, c.block_size, c.weights,
+                            self.runner.prompt_attention)
         tiers = open_tiers(c.kv_tiers, ns, self.runner.kv_cache, c.kv_dtype)
         calibrate_prefill(self.runner, tiers, min(256, self.num_blocks * c.block_size,
                                                   c.max_batched_tokens, self.max_model_len))

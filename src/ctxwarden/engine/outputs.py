@@ -76,7 +76,7 @@ class OutputProcessor:
         wants = _wants_prompt_logprobs(req, start, s.num_new_tokens)
         logits = "all" if wants else ("last" if s.is_sampled else "none")
         return SequenceInput.chunk(req.all_token_ids[start:start + s.num_new_tokens], start,
-                                   s.block_tables.page_ids(), logits, rope_prompt_tokens=req.num_prompt_tokens)
+                                   s.block_tables.page_ids(), logits, num_prompt_tokens=req.num_prompt_tokens)
 
     # --- after the step -------------------------------------------------------------------
 

@@ -30,9 +30,9 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def tier_namespace(checkpoint: Checkpoint, dtype: str, kv_dtype: str, layout, block_size: int,
-                   weights_mode: str) -> TierNamespace:
+                   weights_mode: str, prompt_attention: str = "fp32") -> TierNamespace:
     """What decides a block's bytes besides its tokens: hashed weights and tokenizer, dtypes,
-    the weights mode, layout, block size and RoPE. Costs one read of the weight files (xxh3,
+    the weights mode, the prompt rows' attention precision, layout, block size and RoPE. Costs one read of the weight files (xxh3,
     see kv.tiers.keys)."""
     started = time.perf_counter()
     weights = fingerprint_files(checkpoint.weight_files) if checkpoint.weight_files else "no-weights"
@@ -40,7 +40,7 @@ def tier_namespace(checkpoint: Checkpoint, dtype: str, kv_dtype: str, layout, bl
     tokenizer = fingerprint_files(tok_files) if checkpoint.format != "gguf" and tok_files else "in-weights-file"
     spec = checkpoint.spec
     ns = TierNamespace(weights, tokenizer, dtype, kv_dtype, repr(layout), block_size,
-                       rope_description(spec.rope, spec.rope_local), weights_mode)
+                       rope_description(spec.rope, spec.rope_local), weights_mode, prompt_attention)
     log.info("kv tiers: namespace %s (weights hashed in %.2f s)", ns.key_prefix, time.perf_counter() - started)
     return ns
 

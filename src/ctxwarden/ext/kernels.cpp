@@ -28,6 +28,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <thread>
@@ -2604,31 +2605,103 @@ inline void fa_values(const float* p, const float* v, int64_t vstride, int64_t n
     for (int c = 0; c < CT; ++c) vstore(o + (r0 + r) * d + (c0 + c) * 16, acc[r][c]);
 }
 
+#if CW_SIMD == 2 && defined(__AVX512BF16__)
+#define CW_FA_BF16 1
+// bf16 dot products (vdpbf16ps: a lane's two bf16 products added into fp32, twice the
+// multiply-adds of an fp32 FMA per instruction). Operands are pairs in one 32-bit lane:
+// Q [r][d/2] and K^T [d/2][ldk] pair two head dimensions, P [r][32] and V [ldk/2][d] two
+// keys. Each product of two bf16 values is exact in fp32; what is rounded is the query
+// (times the scale) and the softmax weights P, to bf16 (round to nearest even).
+inline uint32_t bf16_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+}
+inline uint32_t bf16_bits(at::BFloat16 x) { return x.x; }
+inline uint32_t bf16_pair(uint32_t lo, uint32_t hi) { return lo | (hi << 16); }
+inline __m512 dpbf16(__m512 acc, __m512i a, __m512i b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
+
+// S[r, 0..64) = Q[r] . K[0..64) for RT rows from r0 (Q: [rows][dp_n] pairs, Kt: [dp_n][ldk]).
+template <int RT>
+inline void fa_scores_bf16(const uint32_t* qb, const uint32_t* kt, int64_t ldk, int64_t dp_n, int64_t r0, float* s) {
+  __m512 acc[RT][4];
+  for (int r = 0; r < RT; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t dp = 0; dp < dp_n; ++dp) {
+    __m512i kv[4];
+    for (int c = 0; c < 4; ++c) kv[c] = _mm512_loadu_si512(kt + dp * ldk + c * 16);
+    for (int r = 0; r < RT; ++r) {
+      const __m512i qv = _mm512_set1_epi32(static_cast<int>(qb[(r0 + r) * dp_n + dp]));
+      for (int c = 0; c < 4; ++c) acc[r][c] = dpbf16(acc[r][c], qv, kv[c]);
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s + (r0 + r) * kFaKeys + c * 16, acc[r][c]);
+}
+
+// O[r, c0*16 .. (c0+CT)*16) += P[r, keys 0..2np) V[keys 0..2np) (P: [rows][32] pairs,
+// V: [np][d] pairs from this block's first key).
+template <int RT, int CT>
+inline void fa_values_bf16(const uint32_t* p, const uint32_t* v, int64_t np, int64_t r0, int64_t c0, float* o,
+                           int64_t d) {
+  __m512 acc[RT][CT];
+  for (int r = 0; r < RT; ++r)
+    for (int c = 0; c < CT; ++c) acc[r][c] = _mm512_loadu_ps(o + (r0 + r) * d + (c0 + c) * 16);
+  for (int64_t jp = 0; jp < np; ++jp) {
+    __m512i vv[CT];
+    for (int c = 0; c < CT; ++c) vv[c] = _mm512_loadu_si512(v + jp * d + (c0 + c) * 16);
+    for (int r = 0; r < RT; ++r) {
+      const __m512i pv = _mm512_set1_epi32(static_cast<int>(p[(r0 + r) * (kFaKeys / 2) + jp]));
+      for (int c = 0; c < CT; ++c) acc[r][c] = dpbf16(acc[r][c], pv, vv[c]);
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int c = 0; c < CT; ++c) _mm512_storeu_ps(o + (r0 + r) * d + (c0 + c) * 16, acc[r][c]);
+}
+#else
+#define CW_FA_BF16 0
+#endif
+
 struct FlashScratch {
   std::vector<float> qb, o, s, mx, sum;
   std::vector<int64_t> lo, hi;
+  std::vector<uint32_t> qb2, p2;  // bf16 pairs: queries, softmax weights
 };
 
 // Keys [jbase, jbase + count) of k / v (at positions kpos0..) against the task's rows of qb
 // (queries [i0, i1) x the group's heads), folded into the running max, sum and output.
 // windowed: the window applies (sink keys are visible to every later query).
-void flash_segment(const FlashArgs& a, const float* kt, int64_t ldk, const float* v, int64_t h, int64_t i0,
+// Bf16: kt / v are the bf16 pair layouts (K^T [d/2][ldk], V [ldk/2][d], jbase 0) and the
+// tiles are fa_scores_bf16 / fa_values_bf16; blocks then start at an even key.
+template <bool Bf16>
+void flash_segment(const FlashArgs& a, const void* kt_any, int64_t ldk, const void* v_any, int64_t h, int64_t i0,
                    int64_t i1, int64_t jbase, int64_t count, int64_t kpos0, bool windowed, FlashScratch& w) {
+  const float* kt = static_cast<const float*>(kt_any);
+  const float* v = static_cast<const float*>(v_any);
   const int64_t g = a.g, d = a.d, rows = (i1 - i0) * g, kstride = a.hkv * d;
   for (int64_t r = 0; r < rows; ++r) {  // visible key indices [lo, hi) of the segment
     const int64_t p = a.q0 + i0 + r / g;
     w.hi[r] = std::min(count, p - kpos0 + 1);
     w.lo[r] = windowed && a.window > 0 ? std::max<int64_t>(0, p - kpos0 - a.window + 1) : 0;
   }
-  const int64_t j_lo = w.lo[0], j_hi = w.hi[rows - 1];  // the union over the task's rows
+  const int64_t j_hi = w.hi[rows - 1];  // the union over the task's rows
+  const int64_t j_lo = Bf16 ? w.lo[0] & ~int64_t{1} : w.lo[0];  // bf16: whole key pairs
   for (int64_t j0 = j_lo; j0 < j_hi; j0 += kFaKeys) {
     const int64_t nb = std::min(kFaKeys, j_hi - j0);
-    const float* kb = kt + jbase + j0;  // columns past nb hold other keys or padding: masked
     int64_t r0 = 0;
-    for (int64_t c = 0; c < 4; c += kFaCols) {  // kFaCols V16 of keys per register tile
-      for (r0 = 0; r0 + kFaRows <= rows; r0 += kFaRows)
-        fa_scores<kFaRows, kFaCols>(w.qb.data(), kb + c * 16, ldk, d, r0, w.s.data() + c * 16);
-      for (; r0 < rows; ++r0) fa_scores<1, kFaCols>(w.qb.data(), kb + c * 16, ldk, d, r0, w.s.data() + c * 16);
+    if constexpr (Bf16) {
+#if CW_FA_BF16
+      const uint32_t* kb = static_cast<const uint32_t*>(kt_any) + j0;
+      for (r0 = 0; r0 + kFaRows <= rows; r0 += kFaRows) fa_scores_bf16<kFaRows>(w.qb2.data(), kb, ldk, d / 2, r0, w.s.data());
+      for (; r0 < rows; ++r0) fa_scores_bf16<1>(w.qb2.data(), kb, ldk, d / 2, r0, w.s.data());
+#endif
+    } else {
+      const float* kb = kt + jbase + j0;  // columns past nb hold other keys or padding: masked
+      for (int64_t c = 0; c < 4; c += kFaCols) {  // kFaCols V16 of keys per register tile
+        for (r0 = 0; r0 + kFaRows <= rows; r0 += kFaRows)
+          fa_scores<kFaRows, kFaCols>(w.qb.data(), kb + c * 16, ldk, d, r0, w.s.data() + c * 16);
+        for (; r0 < rows; ++r0) fa_scores<1, kFaCols>(w.qb.data(), kb + c * 16, ldk, d, r0, w.s.data() + c * 16);
+      }
     }
     for (int64_t r = 0; r < rows; ++r) {
       float* sr = w.s.data() + r * kFaKeys;
@@ -2636,6 +2709,7 @@ void flash_segment(const FlashArgs& a, const float* kt, int64_t ldk, const float
       const bool masked = lo > 0 || hi < kFaKeys;
       if (hi <= lo) {  // nothing visible to this row here
         std::fill(sr, sr + kFaKeys, 0.f);
+        if constexpr (Bf16) std::fill(w.p2.data() + r * (kFaKeys / 2), w.p2.data() + (r + 1) * (kFaKeys / 2), 0u);
         continue;
       }
       if (masked) {
@@ -2655,11 +2729,38 @@ void flash_segment(const FlashArgs& a, const float* kt, int64_t ldk, const float
       V16 acc = vzero();
       for (int c = 0; c < 4; ++c) acc = vadd(acc, vload(sr + c * 16));
       w.sum[r] = w.sum[r] * alpha + vsum(acc);
+#if CW_FA_BF16
+      if constexpr (Bf16) {  // the weights as bf16 pairs of consecutive keys
+        __m512i* pr = reinterpret_cast<__m512i*>(w.p2.data() + r * (kFaKeys / 2));
+        for (int c = 0; c < 2; ++c)
+          _mm512_storeu_si512(pr + c, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(sr + c * 32 + 16),
+                                                                   _mm512_loadu_ps(sr + c * 32)));
+      }
+#endif
       if (alpha != 1.f) {
         float* orow = w.o.data() + r * d;
         const V16 a16 = vset1(alpha);
         for (int64_t c = 0; c < d; c += 16) vstore(orow + c, vmul(vload(orow + c), a16));
       }
+    }
+    if constexpr (Bf16) {
+#if CW_FA_BF16
+      const uint32_t* vb = static_cast<const uint32_t*>(v_any) + (j0 / 2) * d;
+      const int64_t np = (nb + 1) / 2;
+      for (int64_t c0 = 0; c0 < d / 16; c0 += 4) {
+        const int ct = static_cast<int>(std::min<int64_t>(4, d / 16 - c0));
+        r0 = 0;
+        if (ct == 4) {
+          for (; r0 + kFaRows <= rows; r0 += kFaRows)
+            fa_values_bf16<kFaRows, 4>(w.p2.data(), vb, np, r0, c0, w.o.data(), d);
+          for (; r0 < rows; ++r0) fa_values_bf16<1, 4>(w.p2.data(), vb, np, r0, c0, w.o.data(), d);
+        } else {
+          for (; r0 < rows; ++r0)
+            for (int c = 0; c < ct; ++c) fa_values_bf16<1, 1>(w.p2.data(), vb, np, r0, c0 + c, w.o.data(), d);
+        }
+      }
+#endif
+      continue;
     }
     const float* vb = v + (jbase + j0) * kstride + h * d;
     for (int64_t c0 = 0; c0 < d / 16; c0 += kFaCols) {
@@ -2677,23 +2778,42 @@ void flash_segment(const FlashArgs& a, const float* kt, int64_t ldk, const float
   }
 }
 
-// The task's rows of a query tensor [n, Hq, D] into w.qb, pre-scaled.
+// The task's rows of a query tensor [n, Hq, D] into w.qb (bf16: w.qb2, pairs), pre-scaled.
+template <bool Bf16>
 void flash_load_queries(const FlashArgs& a, const float* q, int64_t h, int64_t i0, int64_t i1, FlashScratch& w) {
   for (int64_t i = i0; i < i1; ++i)
     for (int64_t gi = 0; gi < a.g; ++gi) {
       const float* src = q + (i * a.hq + h * a.g + gi) * a.d;
-      float* dst = w.qb.data() + ((i - i0) * a.g + gi) * a.d;
-      for (int64_t dd = 0; dd < a.d; ++dd) dst[dd] = src[dd] * a.scale;
+      const int64_t r = (i - i0) * a.g + gi;
+      if constexpr (Bf16) {
+#if CW_FA_BF16
+        uint32_t* dst = w.qb2.data() + r * (a.d / 2);
+        for (int64_t dp = 0; dp < a.d / 2; ++dp)
+          dst[dp] = bf16_pair(bf16_bits(src[2 * dp] * a.scale), bf16_bits(src[2 * dp + 1] * a.scale));
+#endif
+      } else {
+        float* dst = w.qb.data() + r * a.d;
+        for (int64_t dd = 0; dd < a.d; ++dd) dst[dd] = src[dd] * a.scale;
+      }
     }
 }
 
 // One task: KV head h, queries [i0, i1). The first num_sink keys (positions 0..) are scored
-// against q_sink, the rest (positions k0..) against q.
-void flash_task(const FlashArgs& a, const float* q, const float* q_sink, int64_t num_sink, const float* kt,
-                int64_t ldk, const float* v, float* out, int64_t h, int64_t i0, int64_t i1, FlashScratch& w) {
+// against q_sink, the rest (positions k0..) against q. Bf16: kt / v are the pair layouts
+// of every head (no sinks).
+template <bool Bf16>
+void flash_task(const FlashArgs& a, const float* q, const float* q_sink, int64_t num_sink, const void* kt,
+                int64_t ldk, const void* v, float* out, int64_t h, int64_t i0, int64_t i1, FlashScratch& w) {
   const int64_t g = a.g, d = a.d, rows = (i1 - i0) * g;
-  kt += h * d * ldk;
-  w.qb.resize(rows * d);
+  if constexpr (Bf16) {
+    kt = static_cast<const uint32_t*>(kt) + h * (d / 2) * ldk;
+    v = static_cast<const uint32_t*>(v) + h * (ldk / 2) * d;
+    w.qb2.resize(rows * (d / 2));
+    w.p2.resize(rows * (kFaKeys / 2));
+  } else {
+    kt = static_cast<const float*>(kt) + h * d * ldk;
+    w.qb.resize(rows * d);
+  }
   w.o.assign(rows * d, 0.f);
   w.s.resize(rows * kFaKeys);
   w.mx.assign(rows, -INFINITY);
@@ -2701,11 +2821,11 @@ void flash_task(const FlashArgs& a, const float* q, const float* q_sink, int64_t
   w.lo.resize(rows);
   w.hi.resize(rows);
   if (num_sink > 0) {
-    flash_load_queries(a, q_sink, h, i0, i1, w);
-    flash_segment(a, kt, ldk, v, h, i0, i1, 0, num_sink, 0, false, w);
+    flash_load_queries<Bf16>(a, q_sink, h, i0, i1, w);
+    flash_segment<Bf16>(a, kt, ldk, v, h, i0, i1, 0, num_sink, 0, false, w);
   }
-  flash_load_queries(a, q, h, i0, i1, w);
-  flash_segment(a, kt, ldk, v, h, i0, i1, num_sink, a.m - num_sink, a.k0, true, w);
+  flash_load_queries<Bf16>(a, q, h, i0, i1, w);
+  flash_segment<Bf16>(a, kt, ldk, v, h, i0, i1, num_sink, a.m - num_sink, a.k0, true, w);
   for (int64_t i = i0; i < i1; ++i)
     for (int64_t gi = 0; gi < g; ++gi) {
       const int64_t r = (i - i0) * g + gi;
@@ -2714,20 +2834,55 @@ void flash_task(const FlashArgs& a, const float* q, const float* q_sink, int64_t
       for (int64_t dd = 0; dd < d; ++dd) dst[dd] = w.o[r * d + dd] * inv;
     }
 }
+
+#if CW_FA_BF16
+// K [m, Hkv, D] -> [Hkv][D/2][ldk] and V -> [Hkv][ldk/2][D], bf16 pairs, zero past m.
+template <typename T>
+void pack_bf16_kv(const T* kp, const T* vp, int64_t m, int64_t hkv, int64_t d, int64_t ldk, uint32_t* kt,
+                  uint32_t* vt) {
+  const int64_t krows = hkv * (d / 2), vrows = hkv * (ldk / 2);
+#pragma omp for schedule(static) nowait
+  for (int64_t hp = 0; hp < krows; ++hp) {
+    const int64_t h = hp / (d / 2), dd = 2 * (hp % (d / 2));
+    uint32_t* row = kt + hp * ldk;
+    for (int64_t j = 0; j < m; ++j) {
+      const T* src = kp + (j * hkv + h) * d + dd;
+      row[j] = bf16_pair(bf16_bits(src[0]), bf16_bits(src[1]));
+    }
+    std::fill(row + m, row + ldk, 0u);
+  }
+#pragma omp for schedule(static)
+  for (int64_t hj = 0; hj < vrows; ++hj) {
+    const int64_t h = hj / (ldk / 2), j = 2 * (hj % (ldk / 2));
+    uint32_t* row = vt + hj * d;
+    const T* v0 = vp + (j * hkv + h) * d;
+    const T* v1 = v0 + hkv * d;
+    for (int64_t dd = 0; dd < d; ++dd)
+      row[dd] = bf16_pair(j < m ? bf16_bits(v0[dd]) : 0u, j + 1 < m ? bf16_bits(v1[dd]) : 0u);
+  }
+}
+#endif
 #endif  // CW_SIMD
 
 }  // namespace
 
+#if !defined(CW_FA_BF16)
+#define CW_FA_BF16 0
+#endif
+bool has_bf16_attention() { return CW_FA_BF16 != 0; }
+
 // Attention of n queries [n, Hq, D] at positions q0.. over m keys / values [m, Hkv, D]
-// (all fp32, contiguous), causal, with an optional window (0: none): the first num_sink
-// keys are the sinks at positions 0.. (StreamingLLM: visible to every later query, scored
-// against q_sink [n, Hq, D]), the others at positions k0... A query that sees no key gets
-// zeros. -> [n, Hq, D] fp32.
+// (contiguous), causal, with an optional window (0: none): the first num_sink keys are the
+// sinks at positions 0.. (StreamingLLM: visible to every later query, scored against
+// q_sink [n, Hq, D]), the others at positions k0... A query that sees no key gets zeros.
+// fp32 q, k and v by default; bf16_dots (AVX-512 BF16 builds, no sinks): k and v fp32 or
+// bf16, Q K^T and P V as bf16 dot products with fp32 sums. -> [n, Hq, D] fp32.
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t q0, int64_t k0,
                              int64_t window, double scale, const c10::optional<at::Tensor>& q_sink,
-                             int64_t num_sink) {
-  TORCH_CHECK(q.dtype() == at::kFloat && k.dtype() == at::kFloat && v.dtype() == at::kFloat,
-              "prefill_attention takes fp32 q, k and v");
+                             int64_t num_sink, bool bf16_dots) {
+  TORCH_CHECK(q.dtype() == at::kFloat, "prefill_attention takes fp32 q");
+  TORCH_CHECK(k.dtype() == v.dtype() && (k.dtype() == at::kFloat || (bf16_dots && k.dtype() == at::kBFloat16)),
+              "prefill_attention takes fp32 k and v (bf16 too with bf16_dots), got ", k.dtype(), " and ", v.dtype());
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && q.is_contiguous() && k.is_contiguous() &&
                   v.is_contiguous(),
               "q must be contiguous [n, Hq, D], k and v contiguous [m, Hkv, D]");
@@ -2739,6 +2894,8 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   TORCH_CHECK(num_sink == 0 || (q_sink.has_value() && q_sink->dtype() == at::kFloat && q_sink->is_contiguous() &&
                                 q_sink->sizes() == q.sizes()),
               "sink keys need q_sink: a contiguous fp32 tensor shaped like q");
+  TORCH_CHECK(!bf16_dots || num_sink == 0, "bf16_dots takes no sink keys (num_sink ", num_sink, ")");
+  TORCH_CHECK(!bf16_dots || CW_FA_BF16, "bf16_dots needs the AVX-512 BF16 build of the kernels (has_bf16_attention() is False)");
 #if CW_SIMD
   at::Tensor out = at::empty_like(q);
   if (n == 0) return out;
@@ -2746,14 +2903,35 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   // ~CW_FA_TASK_ROWS query rows (queries x the group's heads) per task; most keys first
   const int64_t per_task = std::max<int64_t>(1, CW_FA_TASK_ROWS / a.g), blocks = (n + per_task - 1) / per_task;
   const int64_t tasks = blocks * hkv;
-  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float* qp = q.data_ptr<float>();
   const float* qsp = num_sink > 0 ? q_sink->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   // K transposed once per call, [Hkv][D][ldk] (a key block's D x 64 scores tile reads
   // rows of it), zero past m: transposing per task cost each key up to n / 32 copies.
   const int64_t ldk = (m + kFaKeys - 1) / kFaKeys * kFaKeys + kFaKeys;
-  std::vector<float> kt(static_cast<size_t>(hkv * d * ldk));
   const int nt = static_cast<int>(std::min<int64_t>(std::max(1, at::get_num_threads()), tasks));
+  if (bf16_dots) {
+#if CW_FA_BF16
+    std::vector<uint32_t> kt(static_cast<size_t>(hkv * (d / 2) * ldk)), vt(static_cast<size_t>(hkv * (ldk / 2) * d));
+#pragma omp parallel num_threads(nt)
+    {
+      if (k.dtype() == at::kFloat)
+        pack_bf16_kv(k.data_ptr<float>(), v.data_ptr<float>(), m, hkv, d, ldk, kt.data(), vt.data());
+      else
+        pack_bf16_kv(k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(), m, hkv, d, ldk, kt.data(), vt.data());
+      FlashScratch w;
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t t = 0; t < tasks; ++t) {
+        const int64_t b = blocks - 1 - t / hkv, h = t % hkv;
+        flash_task<true>(a, qp, nullptr, 0, kt.data(), ldk, vt.data(), op, h, b * per_task,
+                         std::min(n, (b + 1) * per_task), w);
+      }
+    }
+#endif
+    return out;
+  }
+  const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  std::vector<float> kt(static_cast<size_t>(hkv * d * ldk));
 #pragma omp parallel num_threads(nt)
   {
 #pragma omp for schedule(static)
@@ -2767,7 +2945,8 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < tasks; ++t) {
       const int64_t b = blocks - 1 - t / hkv, h = t % hkv;
-      flash_task(a, qp, qsp, num_sink, kt.data(), ldk, vp, op, h, b * per_task, std::min(n, (b + 1) * per_task), w);
+      flash_task<false>(a, qp, qsp, num_sink, kt.data(), ldk, vp, op, h, b * per_task, std::min(n, (b + 1) * per_task),
+                        w);
     }
   }
   return out;
@@ -2814,5 +2993,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, nogil, "decode attention over KV pages in place");
   m.def("prefill_attention", &prefill_attention, nogil, "causal (windowed, sink) flash attention of a chunk's queries, fp32",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("q0"), py::arg("k0"), py::arg("window"), py::arg("scale"),
-        py::arg("q_sink") = py::none(), py::arg("num_sink") = 0);
+        py::arg("q_sink") = py::none(), py::arg("num_sink") = 0, py::arg("bf16_dots") = false);
+  m.def("has_bf16_attention", &has_bf16_attention,
+        "whether prefill_attention can take bf16_dots (bf16 Q K^T and P V with fp32 sums: AVX-512 BF16)");
 }

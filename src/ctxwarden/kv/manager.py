@@ -97,7 +97,7 @@ class _Draft:
 
 class _Sequence:
     __slots__ = ("seq_id", "namespace", "root", "token_ids", "num_tokens", "tables", "chain",
-                 "num_registered_blocks", "touched_ns", "fetched")
+                 "num_registered_blocks", "num_shared_blocks", "touched_ns", "fetched")
 
     def __init__(self, seq_id, namespace, root, token_ids, tables, chain, now_ns):
         self.seq_id, self.namespace, self.root = seq_id, namespace, root
@@ -106,6 +106,7 @@ class _Sequence:
         self.tables: list[BlockTable] = tables
         self.chain: list[BlockHash] = chain  # hash of full block j (when caching is on)
         self.num_registered_blocks = 0
+        self.num_shared_blocks: int | None = None  # None: every full block joins the cache
         self.touched_ns = now_ns
         self.fetched: range = range(0)  # logical blocks filled from a tier, not yet cached
 
@@ -140,25 +141,26 @@ class KVCacheManager:
     # --- allocate ---------------------------------------------------------------------
 
     def find_prefix(self, token_ids: Sequence[int], namespace: str = "",
-                    extra_keys: Sequence[str | bytes | int] = (), read_cache: bool = True) -> PrefixHit:
+                    extra_keys: Sequence[str | bytes | int] = (), read_cache: bool = True,
+                    shared_tokens: int | None = None) -> PrefixHit:
         """How many of the prompt's tokens the cache holds, changing nothing (no counters)."""
-        draft = self._draft(token_ids, namespace, extra_keys, None, read_cache)
+        draft = self._draft(token_ids, namespace, extra_keys, None, read_cache, shared_tokens=shared_tokens)
         return PrefixHit(len(token_ids), draft.num_hit_blocks * self.block_size,
                          draft.num_new_blocks, draft.num_revived)
 
     def can_allocate(self, token_ids: Sequence[int], namespace: str = "",
                      extra_keys: Sequence[str | bytes | int] = (),
                      max_num_new_tokens: int | None = None, read_cache: bool = True,
-                     num_fetched_blocks: int = 0) -> bool:
+                     num_fetched_blocks: int = 0, shared_tokens: int | None = None) -> bool:
         """Whether `allocate` with the same arguments would succeed now."""
         draft = self._draft(token_ids, namespace, extra_keys, max_num_new_tokens, read_cache,
-                            num_fetched_blocks)
+                            num_fetched_blocks, shared_tokens)
         return draft.num_new_blocks + draft.num_revived <= self.pool.num_available_blocks
 
     def allocate(self, seq_id: Hashable, token_ids: Sequence[int], namespace: str = "",
                  extra_keys: Sequence[str | bytes | int] = (),
                  max_num_new_tokens: int | None = None, read_cache: bool = True,
-                 num_fetched_blocks: int = 0) -> KVAllocation:
+                 num_fetched_blocks: int = 0, shared_tokens: int | None = None) -> KVAllocation:
         """Register a sequence with its prompt; share its cached prefix; slot the rest.
 
         Slots go to the hit tokens plus at most `max_num_new_tokens` more (default: the
@@ -166,13 +168,16 @@ class KVCacheManager:
         `read_cache=False` takes no hit (every token is computed, e.g. to score the whole
         prompt) while the sequence's full blocks are still registered for others to hit.
         `num_fetched_blocks` blocks after the hit are given pages and count as computed: a
-        tier fills them, then `commit_fetched` caches them.
+        tier fills them, then `commit_fetched` caches them. `shared_tokens` (None: all)
+        bounds the sharing both ways: only full blocks within the first `shared_tokens`
+        tokens are looked up, and only those are ever registered for others (the engine
+        passes the prompt's length when generated tokens' KV differs from a prompt's).
         Raises SequenceExists, or KVPoolExhausted (changing nothing) when it does not fit.
         """
         if seq_id in self._seqs:
             raise SequenceExists(f"sequence {seq_id!r} already holds KV blocks; free it first")
         draft = self._draft(token_ids, namespace, extra_keys, max_num_new_tokens, read_cache,
-                            num_fetched_blocks)
+                            num_fetched_blocks, shared_tokens)
         needed = draft.num_new_blocks + draft.num_revived
         if needed > self.pool.num_available_blocks:
             raise KVPoolExhausted(needed, self.pool.num_available_blocks, self.pool.num_blocks)
@@ -181,6 +186,8 @@ class KVCacheManager:
         hit_ids = [b for table in draft.hit_tables for b in table if b is not None]
         self.pool.touch(hit_ids)  # before allocating: the allocation must not evict them
         seq = self._new_sequence(seq_id, namespace, draft, token_ids)
+        if shared_tokens is not None:
+            seq.num_shared_blocks = shared_tokens // self.block_size
         seq.num_tokens = draft.num_hit_blocks * self.block_size
         seq.num_registered_blocks = draft.num_hit_blocks
         num_computed_blocks = draft.num_hit_blocks + draft.num_fetched_blocks
@@ -215,7 +222,7 @@ class KVCacheManager:
     # --- the prefix lookup --------------------------------------------------------------
 
     def _draft(self, token_ids, namespace, extra_keys, max_num_new_tokens, read_cache=True,
-               num_fetched_blocks: int = 0) -> _Draft:
+               num_fetched_blocks: int = 0, shared_tokens: int | None = None) -> _Draft:
         """What `allocate` would do (hash chain, hits, blocks to take), changing nothing."""
         if len(token_ids) < 1:
             raise ValueError("a sequence needs at least 1 prompt token, got 0")
@@ -229,7 +236,10 @@ class KVCacheManager:
             root = root_hash(namespace, tuple(extra_keys))
             extend_chain(chain, root, token_ids, bs, len(token_ids) // bs)
             if read_cache:
-                hit_tables = self._longest_hit(chain[:(len(token_ids) - 1) // bs], namespace)
+                most = (len(token_ids) - 1) // bs
+                if shared_tokens is not None:
+                    most = min(most, shared_tokens // bs)
+                hit_tables = self._longest_hit(chain[:most], namespace)
         num_hit = len(hit_tables[0])
         self._check_fetch(num_hit, num_fetched_blocks, len(token_ids))
         num_computed = (num_hit + num_fetched_blocks) * bs
@@ -357,6 +367,8 @@ class KVCacheManager:
 
     def _register_full_blocks(self, seq: _Sequence) -> None:
         num_full = seq.num_tokens // self.block_size
+        if seq.num_shared_blocks is not None:
+            num_full = min(num_full, seq.num_shared_blocks)
         if num_full <= seq.num_registered_blocks:
             return
         extend_chain(seq.chain, seq.root, seq.token_ids, self.block_size, num_full)

@@ -66,9 +66,17 @@ class AttentionBackend:
 
 
 class TorchPagedAttention(AttentionBackend):
-    """Gather + SDPA for prefill, gather + GQA matmul for decode (see module docstring)."""
+    """Gather + SDPA for prefill, gather + GQA matmul for decode (see module docstring).
+
+    `prompt_bf16`: prompt rows that ext's flash attention runs (no sinks, no soft-capping)
+    take its bf16 dot products (`bf16_dots`); generated rows keep fp32 on every path, so a
+    row's precision follows its role, never its step (docs/runner.md).
+    """
 
     name = "torch"
+
+    def __init__(self, prompt_bf16: bool = False):
+        self.prompt_bf16 = prompt_bf16
 
     def forward(self, q, q_sink, kv, group, params):
         """Attention output [T, Hq, D] for the step's queries, in the batch's row order."""
@@ -85,7 +93,7 @@ class TorchPagedAttention(AttentionBackend):
         for s in group.sequences:
             rows = slice(s.query_start, s.query_end)
             qs = None if q_sink is None else q_sink[rows]
-            out[rows] = _prefill_one(q[rows], qs, flat_k, flat_v, s, params)
+            out[rows] = _prefill_one(q[rows], qs, flat_k, flat_v, s, params, self.prompt_bf16)
         return out
 
 
@@ -121,10 +129,23 @@ def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, params: AttentionParams) 
     return ok
 
 
-def _prefill_one(q, q_sink, flat_k, flat_v, s: SequenceKeys, params: AttentionParams):
-    k = _gather(flat_k, s.key_slots, q.dtype)  # [m, Hkv, D]
-    v = _gather(flat_v, s.key_slots, q.dtype)
+def _prefill_one(q, q_sink, flat_k, flat_v, s: SequenceKeys, params: AttentionParams, prompt_bf16: bool = False):
+    n = q.shape[0]
+    n_prompt = s.num_prompt_rows if prompt_bf16 and q_sink is None and not params.sink_tokens else 0
+    # bf16 pages stay bf16 when every row takes bf16 dot products (half the bytes gathered)
+    kv_dtype = torch.bfloat16 if n_prompt == n and flat_k.dtype == torch.bfloat16 else q.dtype
+    k = _gather(flat_k, s.key_slots, kv_dtype)  # [m, Hkv, D]
+    v = _gather(flat_v, s.key_slots, kv_dtype)
     ranges = _prefill_kernel_keys(q, k, s, params)
+    if ranges is None and k.dtype != q.dtype:
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    if ranges is not None and n_prompt and not ranges[1]:
+        def flash(rows: slice, bf16: bool) -> torch.Tensor:
+            return kernels().prefill_attention(q[rows].contiguous(), k, v, s.num_computed_tokens + rows.start,
+                                               ranges[0], params.window_tokens or 0, params.scale, None, 0, bf16)
+        if n_prompt == n:
+            return flash(slice(0, n), True)
+        return torch.cat((flash(slice(0, n_prompt), True), flash(slice(n_prompt, n), False)))
     if ranges is not None:
         k0, num_sink = ranges
         qs = None if not num_sink else (q if q_sink is None else q_sink).float().contiguous()

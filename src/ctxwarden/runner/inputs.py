@@ -29,11 +29,14 @@ class SequenceInput:
     num_computed_tokens: int  # tokens of this sequence whose KV is already in the pool
     block_tables: tuple[tuple[int, ...], ...]  # one per KV group, logical block -> page id
     logits_rows: tuple[int, ...]  # indices into token_ids whose logits to return, ascending
-    # The prompt's length when known (0: not given). Length-dependent RoPE (dynamic NTK,
-    # LongRoPE) then rotates every prompt token as one forward over the whole prompt would,
-    # however the prompt is chunked, and a later token at position p with length p + 1 (as
-    # its decode step did). Without it, each token takes this step's context length.
-    rope_prompt_tokens: int = 0
+    # The prompt's length when known (0: not given); tokens at positions past it were
+    # generated. Length-dependent RoPE (dynamic NTK, LongRoPE) then rotates every prompt
+    # token as one forward over the whole prompt would, however the prompt is chunked, and a
+    # later token at position p with length p + 1 (as its decode step did); without it, each
+    # token takes this step's context length. Attention that gives prompt rows another
+    # precision than generated rows (ModelRunner.prompt_attention) reads the same boundary;
+    # without it, a decode step's token counts as generated and other steps' as prompt.
+    num_prompt_tokens: int = 0
 
     def __post_init__(self):
         if not self.token_ids:
@@ -47,21 +50,21 @@ class SequenceInput:
 
     @classmethod
     def chunk(cls, token_ids, num_computed_tokens: int, block_tables, logits: str = "last",
-              rope_prompt_tokens: int = 0) -> "SequenceInput":
+              num_prompt_tokens: int = 0) -> "SequenceInput":
         """Build one sequence's input; `logits` is 'last' (sampling), 'all' or 'none'."""
         n = len(token_ids)
         rows = {"last": (n - 1,), "all": tuple(range(n)), "none": ()}
         if logits not in rows:
             raise ValueError(f"logits must be 'last', 'all' or 'none', got {logits!r}")
         return cls(tuple(int(t) for t in token_ids), num_computed_tokens,
-                   tuple(tuple(int(b) for b in bt) for bt in block_tables), rows[logits], rope_prompt_tokens)
+                   tuple(tuple(int(b) for b in bt) for bt in block_tables), rows[logits], num_prompt_tokens)
 
     @property
     def rope_lengths(self) -> list[int]:
         """Per new token, the sequence length its length-dependent RoPE is computed for."""
-        if not self.rope_prompt_tokens:
+        if not self.num_prompt_tokens:
             return [self.context_tokens] * self.num_new_tokens
-        p = self.rope_prompt_tokens
+        p = self.num_prompt_tokens
         return [p if pos < p else pos + 1 for pos in self.positions]
 
     @property
@@ -116,6 +119,13 @@ class SequenceKeys:
     key_slots: torch.Tensor  # [m] flat slots (page * block_size + offset) to gather
     key_positions: torch.Tensor  # [m] absolute positions of those keys, ascending
     num_computed_tokens: int
+    prompt_end: int = 0  # queries at positions < prompt_end are prompt tokens, later ones generated
+
+    @property
+    def num_prompt_rows(self) -> int:
+        """How many of the new rows (a leading run) are prompt tokens."""
+        n = self.query_end - self.query_start
+        return min(n, max(0, self.prompt_end - self.num_computed_tokens))
 
 
 @dataclass(frozen=True)
@@ -151,8 +161,15 @@ class StepInputs:
     logits_indices: torch.Tensor  # [R] rows of the flat batch to compute logits for
 
 
-def build_step_inputs(batch: ForwardBatch, layout: KVLayout, num_blocks: int) -> StepInputs:
-    """Turn a ForwardBatch into StepInputs, checking block tables against the layout."""
+def build_step_inputs(batch: ForwardBatch, layout: KVLayout, num_blocks: int,
+                      prompt_rows_apart: bool = False) -> StepInputs:
+    """Turn a ForwardBatch into StepInputs, checking block tables against the layout.
+
+    `prompt_rows_apart`: prompt rows take another attention precision than generated rows,
+    so a step of single tokens takes the decode path (fp32, the generated rows' kernels)
+    only when none of them is a prompt token (a prompt's last token after a prefix hit,
+    or a one-token chunk, takes the prefill path).
+    """
     for i, seq in enumerate(batch.sequences):
         _check_block_tables(i, seq, layout, num_blocks)
     ids, pos, lens, rows, start = [], [], [], [], 0
@@ -162,7 +179,7 @@ def build_step_inputs(batch: ForwardBatch, layout: KVLayout, num_blocks: int) ->
         lens.extend(seq.rope_lengths)
         rows.extend(start + r for r in seq.logits_rows)
         start += seq.num_new_tokens
-    groups = tuple(_group_inputs(batch, layout, g) for g in range(layout.num_groups))
+    groups = tuple(_group_inputs(batch, layout, g, prompt_rows_apart) for g in range(layout.num_groups))
     return StepInputs(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long),
                       torch.tensor(lens, dtype=torch.long), groups,
                       torch.tensor(rows, dtype=torch.long))
@@ -196,10 +213,18 @@ def _key_positions(seq: SequenceInput, window: int | None, sinks: int) -> torch.
     return window_keys
 
 
-def _group_inputs(batch: ForwardBatch, layout: KVLayout, g: int) -> GroupInputs:
+def _prompt_end(seq: SequenceInput, is_decode: bool) -> int:
+    """Where `seq`'s generated tokens start: the prompt's length when given; else a decode
+    step's token is generated and any other step's tokens are prompt."""
+    if seq.num_prompt_tokens:
+        return seq.num_prompt_tokens
+    return seq.num_computed_tokens if is_decode else seq.context_tokens
+
+
+def _group_inputs(batch: ForwardBatch, layout: KVLayout, g: int, prompt_rows_apart: bool = False) -> GroupInputs:
     window = layout.groups[g].window_tokens
     sinks = layout.sink_tokens if window else 0
-    slot_parts, seqs, start = [], [], 0
+    slot_parts, seqs, start, is_decode = [], [], 0, batch.is_decode
     for seq in batch.sequences:
         table = torch.tensor(seq.block_tables[g], dtype=torch.long)
         q_pos = torch.arange(seq.num_computed_tokens, seq.context_tokens)
@@ -207,9 +232,11 @@ def _group_inputs(batch: ForwardBatch, layout: KVLayout, g: int) -> GroupInputs:
         slot_parts.append(_slots(table, q_pos, layout.block_size))
         seqs.append(SequenceKeys(start, start + seq.num_new_tokens, q_pos,
                                  _slots(table, k_pos, layout.block_size), k_pos,
-                                 seq.num_computed_tokens))
+                                 seq.num_computed_tokens, _prompt_end(seq, is_decode)))
         start += seq.num_new_tokens
-    decode = _decode_keys(seqs, sinks) if batch.is_decode else None
+    if prompt_rows_apart and is_decode:
+        is_decode = not any(s.num_prompt_rows for s in seqs)
+    decode = _decode_keys(seqs, sinks) if is_decode else None
     sink_q = None
     if sinks:
         # StreamingLLM: positions are re-assigned inside the cache, so a query past the

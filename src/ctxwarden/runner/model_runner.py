@@ -37,6 +37,9 @@ class RunnerConfig:
     sink_tokens: int = 0
     attention_backend: str = "torch"
     weights: str = "fp32"  # models.loader.WEIGHTS_MODES: how projections are stored
+    # Prompt rows' attention: "bf16" dot products (AVX-512 BF16 builds; generated rows stay
+    # fp32), "fp32", or "auto": bf16 where the KV cache is bf16 and the build can.
+    prompt_attention: str = "auto"
 
     def __post_init__(self):
         if self.num_blocks < 1:
@@ -46,12 +49,15 @@ class RunnerConfig:
         if self.attention_backend not in _BACKENDS:
             raise ValueError(f"attention_backend {self.attention_backend!r} is not one of "
                              f"{sorted(_BACKENDS)}")
-        from ctxwarden.engine.config import WEIGHTS_MODES
+        from ctxwarden.engine.config import PROMPT_ATTENTION_MODES, WEIGHTS_MODES
 
         if self.weights not in WEIGHTS_MODES:
             raise ValueError(f"weights must be one of {WEIGHTS_MODES}, got {self.weights!r}")
         if self.sink_tokens and not self.window_tokens:
             raise ValueError("sink_tokens needs window_tokens (the rolling window after the sinks)")
+        if self.prompt_attention not in PROMPT_ATTENTION_MODES:
+            raise ValueError(f"prompt_attention must be one of {', '.join(PROMPT_ATTENTION_MODES)}, "
+                             f"got {self.prompt_attention!r}")
 
 
 # oneDNN primitives cached per process (its default is 1,024). An entry can hold a
@@ -82,6 +88,29 @@ def _allocate_kv(spec, layout: KVLayout, config: RunnerConfig) -> PagedKVCache:
     return PagedKVCache(layout, config.num_blocks, spec.num_kv_heads, spec.head_dim, config.kv_dtype)
 
 
+def resolve_prompt_attention(config: RunnerConfig, spec) -> str:
+    """"bf16" or "fp32": what prompt rows take (RunnerConfig.prompt_attention). bf16 needs an
+    AVX-512 BF16 build of ext/, fp32 activations, head_dim a multiple of 16 and a model
+    whose layers attend through the paged backend's flash kernel (not MLA); "auto" also
+    needs a bf16 KV cache (whose K and V are then read as they are stored)."""
+    from ctxwarden.ext import kernels
+
+    if config.prompt_attention == "fp32":
+        return "fp32"
+    ext = kernels()
+    able = (ext is not None and getattr(ext, "has_bf16_attention", lambda: False)()
+            and config.dtype in ("fp32", "float32") and spec.mla is None and spec.head_dim % 16 == 0
+            and spec.head_dim <= 512)
+    if config.prompt_attention == "bf16":
+        if not able:
+            raise ValueError("prompt_attention='bf16' needs ext/ kernels built for AVX-512 BF16 (this build: "
+                             f"{'none' if ext is None else ext.simd_level()}), dtype fp32 (got {config.dtype}), "
+                             f"head_dim a multiple of 16 up to 512 (got {spec.head_dim}) and no MLA; "
+                             "use prompt_attention='fp32' or 'auto'")
+        return "bf16"
+    return "bf16" if able and config.kv_dtype == "bf16" else "fp32"
+
+
 class ModelRunner:
     """Runs one model over a paged KV cache of `config.num_blocks` pages."""
 
@@ -97,11 +126,20 @@ class ModelRunner:
                                           config.window_tokens, config.sink_tokens)
         self.model = load_model(self.checkpoint, config.dtype, config.weights)
         self.kv_cache = _allocate_kv(self.spec, self.layout, config)
-        self.backend: AttentionBackend = _BACKENDS[config.attention_backend]()
+        self.prompt_attention = resolve_prompt_attention(config, self.spec)
+        self.backend: AttentionBackend = _BACKENDS[config.attention_backend](
+            prompt_bf16=self.prompt_attention == "bf16")
+
+    @property
+    def prompt_rows_apart(self) -> bool:
+        """Whether prompt and generated rows attend at different precisions: a prefix-cache
+        block holding generated tokens then holds KV that the same tokens as a prompt would
+        not make, and must not be shared (Scheduler.prompt_blocks_only)."""
+        return self.prompt_attention != "fp32"
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run one step; logits [batch.num_logits_rows, vocab] fp32, sequences in order."""
-        step = build_step_inputs(batch, self.layout, self.config.num_blocks)
+        step = build_step_inputs(batch, self.layout, self.config.num_blocks, self.prompt_rows_apart)
         hidden = self.model.forward(step, self.kv_cache, self.backend)
         return self.model.compute_logits(hidden)

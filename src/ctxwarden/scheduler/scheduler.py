@@ -134,8 +134,13 @@ class Scheduler:
     """Owns the waiting and running queues and every call into the KV manager."""
 
     def __init__(self, kv: KVCacheManager, config: SchedulerConfig, cost: PreemptionCost,
-                 tiers=None, extra_keys: tuple[bytes, ...] = (), tier_fetch: str = "auto"):
+                 tiers=None, extra_keys: tuple[bytes, ...] = (), tier_fetch: str = "auto",
+                 prompt_blocks_only: bool = False):
         self.kv = kv
+        # Only blocks within a request's prompt are shared (looked up, cached, fetched): the
+        # runner attends prompt rows at another precision than generated ones, so KV that a
+        # token made as generated is not the KV it makes in a prompt (ModelRunner.prompt_rows_apart).
+        self.prompt_blocks_only = prompt_blocks_only
         self.config = config
         self.cost = cost
         self.tiers = tiers  # kv.tiers.KVTiers, or None: prefixes live in the pool only
@@ -312,6 +317,10 @@ class Scheduler:
         self.finish(req, FinishReason.ERROR)
         refused.append(req)
 
+    def _shared_tokens(self, req: Request) -> int | None:
+        """How many leading tokens of `req` may share cached blocks (None: all)."""
+        return req.num_prompt_tokens if self.prompt_blocks_only else None
+
     def _chain_keys(self, req: Request) -> tuple[bytes, ...]:
         """What salts `req`'s prefix chain besides its namespace: the model's keys, then its own."""
         return self.extra_keys + req.cache_keys
@@ -321,17 +330,19 @@ class Scheduler:
         first chunk: its new tokens, 0 when the step has no contended budget left for it,
         None when the pool cannot hold it."""
         tokens, reads, keys = req.all_token_ids, req.reads_prefix_cache, self._chain_keys(req)
-        hit = self.kv.find_prefix(tokens, req.namespace, keys, read_cache=reads)
+        shared = self._shared_tokens(req)
+        hit = self.kv.find_prefix(tokens, req.namespace, keys, read_cache=reads, shared_tokens=shared)
         n = budget.chunk(req, len(tokens) - hit.num_computed_tokens, self.fair)
         if n == 0:
             return 0
-        if not self.kv.can_allocate(tokens, req.namespace, keys, max_num_new_tokens=n, read_cache=reads):
+        if not self.kv.can_allocate(tokens, req.namespace, keys, max_num_new_tokens=n, read_cache=reads,
+                                    shared_tokens=shared):
             return None
         fetched = self._fetch_from_tiers(req, hit.num_computed_tokens // self.kv.block_size, n)
         num_fetched = fetched.num_blocks if fetched else 0
         n = min(len(tokens) - hit.num_computed_tokens - num_fetched * self.kv.block_size, n)
         alloc = self.kv.allocate(req.request_id, tokens, req.namespace, keys, max_num_new_tokens=n,
-                                 read_cache=reads, num_fetched_blocks=num_fetched)
+                                 read_cache=reads, num_fetched_blocks=num_fetched, shared_tokens=shared)
         if fetched:
             pages = self.kv.block_tables(req.request_id)[0][fetched.first_block:][:num_fetched]
             self._fills.append(TierFill(req, tuple(pages), fetched.first_block, fetched.pages))
@@ -344,10 +355,11 @@ class Scheduler:
 
     def _swap_in(self, req: Request, swapped_in: list[SwapIn]) -> bool:
         tokens, reads = req.all_token_ids[:req.num_computed_tokens], req.reads_prefix_cache
-        keys = self._chain_keys(req)
-        if not self.kv.can_allocate(tokens, req.namespace, keys, read_cache=reads):
+        keys, shared = self._chain_keys(req), self._shared_tokens(req)
+        if not self.kv.can_allocate(tokens, req.namespace, keys, read_cache=reads, shared_tokens=shared):
             return False
-        alloc = self.kv.allocate(req.request_id, tokens, req.namespace, keys, read_cache=reads)
+        alloc = self.kv.allocate(req.request_id, tokens, req.namespace, keys, read_cache=reads,
+                                 shared_tokens=shared)
         self._num_known[req.request_id] = len(tokens)
         self.swapped_bytes -= self._bytes_of(self._swap_tables.pop(req.request_id))
         self._move_to_running(req)
@@ -370,10 +382,14 @@ class Scheduler:
             return None
         bs, tokens = self.kv.block_size, req.all_token_ids
         most = (len(tokens) - 1) // bs - num_hit_blocks
+        shared = self._shared_tokens(req)
+        if shared is not None:
+            most = min(most, shared // bs - num_hit_blocks)
         if most < 1:
             return None
         n, keys = min(len(tokens) - (num_hit_blocks + most) * bs, max_chunk_tokens), self._chain_keys(req)
-        if not self.kv.can_allocate(tokens, req.namespace, keys, max_num_new_tokens=n, num_fetched_blocks=most):
+        if not self.kv.can_allocate(tokens, req.namespace, keys, max_num_new_tokens=n, num_fetched_blocks=most,
+                                    shared_tokens=shared):
             return None  # under pool pressure: no room for fetched pages now
         return fetch_prefix(self.tiers, self.kv, req, num_hit_blocks, keys, most, self.tier_fetch)
 

@@ -59,13 +59,15 @@ class TierNamespace:
     block_size: int
     rope: str  # every RoPE field, params included (JSON)
     weights_mode: str = "fp32"  # how the weights are multiplied (auto keeps GGUF codes): changes the KV
+    prompt_attention: str = "fp32"  # prompt rows' attention precision (ModelRunner.prompt_attention)
     format_version: int = FORMAT_VERSION
 
     @property
     def digest(self) -> bytes:
         """A 32-byte BLAKE2b digest of every field (the chain's extra key)."""
         fields = (self.format_version, self.weights_fingerprint, self.tokenizer_fingerprint,
-                  self.dtype, self.kv_dtype, self.layout, self.block_size, self.rope, self.weights_mode)
+                  self.dtype, self.kv_dtype, self.layout, self.block_size, self.rope, self.weights_mode,
+                  self.prompt_attention)
         payload = json.dumps(fields, separators=(",", ":")).encode()
         return hashlib.blake2b(payload, digest_size=32, person=b"ctxwarden-ns").digest()
 

@@ -12,8 +12,11 @@ both on the same inputs, alternating, taking each side's minimum over --rounds:
 - `lm_head`: SmolLM2's q8 lm_head [49152, 576] at each of --rows (q8_panels likewise);
 - `attention`: paged decode attention at W1's batched-decode shape (benchmarks/
   decode_attention.py's pools), cold, fp32 and bf16 K/V, outputs checked likewise.
+- `prefill`: ext's flash attention (`prefill_attention`) with SmolLM2's heads at --rows
+  causal queries (a chunk over as many cached keys as it has queries), fp32, and with
+  bf16 dot products where both builds have them (`has_bf16_attention`), checked likewise.
 
-Run: .venv/bin/python benchmarks/kernel_ab.py VARIANT_DIR [--what gemm,lm_head,attention]
+Run: .venv/bin/python benchmarks/kernel_ab.py VARIANT_DIR [--what gemm,lm_head,attention,prefill]
      [--rows 1,4,16,512,2048] [--rounds 9]
 VARIANT_DIR holds the edited kernels.cpp; the build goes there too (about a minute), and
 is reused while kernels.cpp there is older than the build.
@@ -145,6 +148,26 @@ def ab_attention(ext, alt, rounds: int, check: bool, batch: int = 16, keys: int 
         report(f"decode attention {str(dtype)[6:]}, per layer", {k: v / layers for k, v in best.items()})
 
 
+def ab_prefill(ext, alt, rows: list[int], rounds: int, check: bool) -> None:
+    def has_bf16(mod) -> bool:
+        return bool(getattr(mod, "has_bf16_attention", lambda: False)())
+
+    for n in rows:
+        m = 2 * n  # a chunk after n cached tokens: n x 2n keys, causal
+        q = torch.randn(n, 9, 64) * 2
+        k, v = torch.randn(m, 3, 64).bfloat16(), torch.randn(m, 3, 64).bfloat16()
+        kf, vf = k.float(), v.float()
+        kinds = [("fp32", lambda mod: lambda: mod.prefill_attention(q, kf, vf, m - n, 0, 0, 0.125))]
+        if has_bf16(ext) and has_bf16(alt):
+            kinds.append(("bf16 dots", lambda mod: lambda: mod.prefill_attention(q, k, v, m - n, 0, 0, 0.125,
+                                                                                 None, 0, True)))
+        for name, call in kinds:
+            if check and not torch.equal(call(ext)(), call(alt)()):
+                raise SystemExit(f"prefill {name}: the variant's output differs; --no-check to time it anyway")
+            report(f"prefill attention {name}, {n} x {m}", interleaved({"installed": call(ext), "variant": call(alt)},
+                                                                       rounds))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("variant", type=Path, help="folder holding the edited kernels.cpp")
@@ -167,6 +190,8 @@ def main() -> None:
         ab_lm_head(ext, alt, [int(r) for r in args.rows.split(",")], args.rounds, not args.no_check)
     if "attention" in what:
         ab_attention(ext, alt, args.rounds, not args.no_check)
+    if "prefill" in what:
+        ab_prefill(ext, alt, [int(r) for r in args.rows.split(",")], args.rounds, not args.no_check)
 
 
 if __name__ == "__main__":

@@ -2760,19 +2760,19 @@ void flash_segment(const FlashArgs& a, const void* kt_any, int64_t ldk, const vo
         }
       }
 #endif
-      continue;
-    }
-    const float* vb = v + (jbase + j0) * kstride + h * d;
-    for (int64_t c0 = 0; c0 < d / 16; c0 += kFaCols) {
-      const int ct = static_cast<int>(std::min<int64_t>(kFaCols, d / 16 - c0));
-      r0 = 0;
-      if (ct == kFaCols) {
-        for (; r0 + kFaRows <= rows; r0 += kFaRows)
-          fa_values<kFaRows, kFaCols>(w.s.data(), vb, kstride, nb, r0, c0, w.o.data(), d);
-        for (; r0 < rows; ++r0) fa_values<1, kFaCols>(w.s.data(), vb, kstride, nb, r0, c0, w.o.data(), d);
-      } else {
-        for (; r0 < rows; ++r0)
-          for (int c = 0; c < ct; ++c) fa_values<1, 1>(w.s.data(), vb, kstride, nb, r0, c0 + c, w.o.data(), d);
+    } else {
+      const float* vb = v + (jbase + j0) * kstride + h * d;
+      for (int64_t c0 = 0; c0 < d / 16; c0 += kFaCols) {
+        const int ct = static_cast<int>(std::min<int64_t>(kFaCols, d / 16 - c0));
+        r0 = 0;
+        if (ct == kFaCols) {
+          for (; r0 + kFaRows <= rows; r0 += kFaRows)
+            fa_values<kFaRows, kFaCols>(w.s.data(), vb, kstride, nb, r0, c0, w.o.data(), d);
+          for (; r0 < rows; ++r0) fa_values<1, kFaCols>(w.s.data(), vb, kstride, nb, r0, c0, w.o.data(), d);
+        } else {
+          for (; r0 < rows; ++r0)
+            for (int c = 0; c < ct; ++c) fa_values<1, 1>(w.s.data(), vb, kstride, nb, r0, c0 + c, w.o.data(), d);
+        }
       }
     }
   }

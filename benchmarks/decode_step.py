@@ -7,7 +7,7 @@ rows, through the same `linear`, on the model's own weights), interleaved with t
 Issue 11's target: a 16-sequence step within 2x its matmuls (what is not matmul is
 attention, norms, rotary, KV writes and dispatch).
 
-Run: .venv/bin/python benchmarks/decode_step.py [--weights auto] [--batches 1,16]
+Run: .venv/bin/python benchmarks/decode_step.py [--weights auto] [--kv-dtype fp32] [--batches 1,16]
 """
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ def decode_steps(runner, batch: int, context: int, steps: int) -> list[float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--weights", default="auto")
+    ap.add_argument("--kv-dtype", default="fp32")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=24)
@@ -87,7 +88,8 @@ def main() -> None:
     results, bandwidth = {}, read_bandwidth_gbs()
     for batch in (int(b) for b in args.batches.split(",")):
         per_seq = -(-(args.context + args.steps + 1) // 16)
-        runner = ModelRunner(None, RunnerConfig(num_blocks=batch * per_seq, weights=args.weights))
+        runner = ModelRunner(None, RunnerConfig(num_blocks=batch * per_seq, weights=args.weights,
+                                                kv_dtype=args.kv_dtype))
         with torch.inference_mode():
             steps = decode_steps(runner, batch, args.context, args.steps)
             mm = [matmuls_only(runner.model, batch) for _ in range(args.steps)]
@@ -102,9 +104,10 @@ def main() -> None:
               f"-> {step_s / mm_s:.2f}x; weights read {streamed_bytes(runner.model) / 1e6:.0f} MB / "
               f"{bandwidth:.1f} GB/s = floor {1e3 * floor_s:.1f} ms ({step_s / floor_s:.2f}x)", flush=True)
     out = ROOT / "benchmarks" / "results" / "decode_step.json"
-    name = f"decode_step_{args.weights}.json"
+    name = f"decode_step_{args.weights}_kv{args.kv_dtype}.json"
     out = out.with_name(name)
-    out.write_text(json.dumps({"weights": args.weights, "context": args.context, "results": results,
+    out.write_text(json.dumps({"weights": args.weights, "kv_dtype": args.kv_dtype, "context": args.context,
+                               "results": results,
                                "read_bandwidth_gbs": bandwidth,
                                "threads": torch.get_num_threads(),
                                "date": time.strftime("%Y-%m-%d %H:%M")}, indent=1))

@@ -74,3 +74,25 @@ def test_a_next_turn_hits_the_prompt_blocks_only_and_answers_as_a_fresh_engine(t
     assert not one.engine.scheduler.prompt_blocks_only
     one.generate([first], params)
     assert one.generate([second], params)[0].num_cached_tokens == (len(first) + 40) // 16 * 16
+
+
+def test_sink_mode_prompt_rows_take_bf16_and_chunking_changes_nothing(tiny_dir, monkeypatch):
+    import ctxwarden.runner.attention as attention
+
+    calls = []
+
+    class Counting:  # ext with prefill_attention's bf16 calls counted (the real kernel runs)
+        def __getattr__(self, name):
+            return getattr(ext, name)
+
+        def prefill_attention(self, *args):
+            calls.append(bool(args[9]) and args[8] > 0)  # bf16 dots with sink keys
+            return ext.prefill_attention(*args)
+
+    monkeypatch.setattr(attention, "kernels", lambda: Counting())
+    prompts = _prompts(3, 100, 160, seed=4)
+    sink = dict(window_tokens=40, sink_tokens=4)
+    whole = _llm(tiny_dir, max_batched_tokens=2048, **sink).generate(prompts, GREEDY)
+    chunked = _llm(tiny_dir, max_batched_tokens=37, **sink).generate(prompts, GREEDY)
+    assert [o.token_ids for o in whole] == [o.token_ids for o in chunked]
+    assert sum(calls) > 0  # later chunks read sinks through the bf16 kernel

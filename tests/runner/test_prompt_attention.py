@@ -25,13 +25,20 @@ needs_bf16 = pytest.mark.skipif(ext is None or not ext.has_bf16_attention(),
                                 reason="bf16 prompt attention needs the AVX-512 BF16 build")
 
 
-def _reference(q, k, v, q0, window):
-    """fp64 causal (windowed) attention of q [n, Hq, D] over keys at positions 0..m-1."""
+def _reference(q, k, v, q0, window, q_sink=None, num_sink=0, k0=0):
+    """fp64 causal (windowed) attention of q [n, Hq, D]: the first num_sink keys are sinks
+    at positions 0.. scored against q_sink (visible to every later query), the rest at
+    positions k0..; rows that see no key are zeros."""
     n, m, group = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
-    qp, kp = torch.arange(q0, q0 + n)[:, None], torch.arange(m)[None]
+    qp = torch.arange(q0, q0 + n)[:, None]
+    kp = torch.cat([torch.arange(num_sink), torch.arange(k0, k0 + m - num_sink)])[None]
     ok = (kp <= qp) & ((qp - kp < window) if window else True)
+    ok[:, :num_sink] = kp[:, :num_sink] <= qp
     kk, vv = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
-    s = torch.einsum("nhd,mhd->hnm", q.double(), kk).masked_fill(~ok[None], float("-inf"))
+    s = torch.einsum("nhd,mhd->hnm", q.double(), kk)
+    if num_sink:
+        s[..., :num_sink] = torch.einsum("nhd,mhd->hnm", q_sink.double(), kk[:num_sink])
+    s = s.masked_fill(~ok[None], float("-inf"))
     return torch.einsum("hnm,mhd->nhd", s.softmax(-1).nan_to_num(0.0), vv)
 
 
@@ -72,12 +79,30 @@ def test_a_prompt_rows_bf16_result_does_not_depend_on_the_chunking():
 
 
 @needs_bf16
-def test_bf16_dots_refuse_sinks_and_other_dtypes():
+@pytest.mark.parametrize("n,m,num_sink,q0,k0,window", [
+    (64, 200, 4, 300, 104, 100),   # a chunk deep in a stream: 4 sinks + a window's keys
+    (40, 40, 3, 0, 3, 16),         # the stream's first chunk, an odd count of sinks
+    (70, 140, 101, 400, 331, 50),  # more sinks than a key block, odd again
+])
+def test_bf16_dots_with_sinks_stay_within_the_bound(n, m, num_sink, q0, k0, window):
+    torch.manual_seed(n + num_sink)
+    q, q_sink = torch.randn(n, 9, 64) * 2, torch.randn(n, 9, 64) * 2
+    k, v = torch.randn(m, 3, 64).bfloat16(), torch.randn(m, 3, 64).bfloat16()
+    got = ext.prefill_attention(q, k, v, q0, k0, window, 0.125, q_sink, num_sink, True)
+    rounded = [(x * 0.125).bfloat16() for x in (q, q_sink)]
+    ref = _reference(rounded[0], k.float(), v.float(), q0, window, rounded[1], num_sink, k0)
+    assert (got.double() - ref).abs().max() < 2.0 ** -8 * float(v.float().abs().max())
+    no_sinks = ext.prefill_attention(q, k, v, q0, k0, window, 0.125, q, num_sink, True)
+    assert (no_sinks.double() - ref).abs().max() > 1e-2  # q_sink really scored the sinks
+
+
+@needs_bf16
+def test_bf16_dots_refuse_other_dtypes():
     q, k = torch.randn(4, 2, 16), torch.randn(4, 1, 16)
-    with pytest.raises(RuntimeError, match="bf16_dots takes no sink keys"):
-        ext.prefill_attention(q, k, k.clone(), 0, 0, 0, 0.2, q, 2, True)
     with pytest.raises(RuntimeError, match="bf16 too with bf16_dots"):
         ext.prefill_attention(q, k.half(), k.half(), 0, 0, 0, 0.2, None, 0, True)
+    with pytest.raises(RuntimeError, match="fp32 k and v"):
+        ext.prefill_attention(q, k.bfloat16(), k.bfloat16(), 0, 0, 0, 0.2)  # fp32 dots take fp32
 
 
 @needs_bf16

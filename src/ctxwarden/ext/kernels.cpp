@@ -316,8 +316,6 @@ struct DenseLanes {
   static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
   static float sum(T s) { return vsum(V16{s, _mm256_setzero_ps()}); }
 };
-#else
-struct DenseLanes {};  // the scalar build's tiles do not use lanes
 #endif
 
 template <int NB, int R, typename L = DenseLanes, typename W>
@@ -428,6 +426,11 @@ inline void dot_range(const float* x, int64_t m, int64_t k, int64_t n_begin, int
 }
 
 #endif  // CW_SIMD
+#if !CW_SIMD
+struct DenseLanes {};  // the scalar build's dense tiles do not use lanes
+template <int NB, int R, typename L = DenseLanes, typename W>
+inline void dense_block(const W* w, int64_t k, const float* x, int64_t m, int64_t n0, float* y, int64_t ldy);
+#endif
 
 void check_linear_args(const at::Tensor& x, const at::Tensor& scale, int64_t k) {
   TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
@@ -2605,6 +2608,9 @@ inline void fa_values(const float* p, const float* v, int64_t vstride, int64_t n
     for (int c = 0; c < CT; ++c) vstore(o + (r0 + r) * d + (c0 + c) * 16, acc[r][c]);
 }
 
+// V's key pairs per head: ldk (>= m + 64) / 2 plus the pad an odd count of sinks leaves
+inline int64_t bf16_value_pairs(int64_t ldk) { return ldk / 2 + 1; }
+
 #if CW_SIMD == 2 && defined(__AVX512BF16__)
 #define CW_FA_BF16 1
 // bf16 dot products (vdpbf16ps: a lane's two bf16 products added into fp32, twice the
@@ -2671,8 +2677,9 @@ struct FlashScratch {
 // Keys [jbase, jbase + count) of k / v (at positions kpos0..) against the task's rows of qb
 // (queries [i0, i1) x the group's heads), folded into the running max, sum and output.
 // windowed: the window applies (sink keys are visible to every later query).
-// Bf16: kt / v are the bf16 pair layouts (K^T [d/2][ldk], V [ldk/2][d], jbase 0) and the
-// tiles are fa_scores_bf16 / fa_values_bf16; blocks then start at an even key.
+// Bf16: kt / v are the bf16 pair layouts (K^T [d/2][ldk]; V [pairs][d], each segment's
+// keys paired from its first) and the tiles are fa_scores_bf16 / fa_values_bf16; blocks
+// then start at an even key of the segment.
 template <bool Bf16>
 void flash_segment(const FlashArgs& a, const void* kt_any, int64_t ldk, const void* v_any, int64_t h, int64_t i0,
                    int64_t i1, int64_t jbase, int64_t count, int64_t kpos0, bool windowed, FlashScratch& w) {
@@ -2691,7 +2698,7 @@ void flash_segment(const FlashArgs& a, const void* kt_any, int64_t ldk, const vo
     int64_t r0 = 0;
     if constexpr (Bf16) {
 #if CW_FA_BF16
-      const uint32_t* kb = static_cast<const uint32_t*>(kt_any) + j0;
+      const uint32_t* kb = static_cast<const uint32_t*>(kt_any) + jbase + j0;
       for (r0 = 0; r0 + kFaRows <= rows; r0 += kFaRows) fa_scores_bf16<kFaRows>(w.qb2.data(), kb, ldk, d / 2, r0, w.s.data());
       for (; r0 < rows; ++r0) fa_scores_bf16<1>(w.qb2.data(), kb, ldk, d / 2, r0, w.s.data());
 #endif
@@ -2745,7 +2752,8 @@ void flash_segment(const FlashArgs& a, const void* kt_any, int64_t ldk, const vo
     }
     if constexpr (Bf16) {
 #if CW_FA_BF16
-      const uint32_t* vb = static_cast<const uint32_t*>(v_any) + (j0 / 2) * d;
+      // the segment's key pairs start at pair (jbase + 1) / 2: the sinks' pairs come first
+      const uint32_t* vb = static_cast<const uint32_t*>(v_any) + ((jbase + 1) / 2 + j0 / 2) * d;
       const int64_t np = (nb + 1) / 2;
       for (int64_t c0 = 0; c0 < d / 16; c0 += 4) {
         const int ct = static_cast<int>(std::min<int64_t>(4, d / 16 - c0));
@@ -2800,14 +2808,14 @@ void flash_load_queries(const FlashArgs& a, const float* q, int64_t h, int64_t i
 
 // One task: KV head h, queries [i0, i1). The first num_sink keys (positions 0..) are scored
 // against q_sink, the rest (positions k0..) against q. Bf16: kt / v are the pair layouts
-// of every head (no sinks).
+// of every head (pack_bf16_kv).
 template <bool Bf16>
 void flash_task(const FlashArgs& a, const float* q, const float* q_sink, int64_t num_sink, const void* kt,
                 int64_t ldk, const void* v, float* out, int64_t h, int64_t i0, int64_t i1, FlashScratch& w) {
   const int64_t g = a.g, d = a.d, rows = (i1 - i0) * g;
   if constexpr (Bf16) {
     kt = static_cast<const uint32_t*>(kt) + h * (d / 2) * ldk;
-    v = static_cast<const uint32_t*>(v) + h * (ldk / 2) * d;
+    v = static_cast<const uint32_t*>(v) + h * bf16_value_pairs(ldk) * d;
     w.qb2.resize(rows * (d / 2));
     w.p2.resize(rows * (kFaKeys / 2));
   } else {
@@ -2836,11 +2844,14 @@ void flash_task(const FlashArgs& a, const float* q, const float* q_sink, int64_t
 }
 
 #if CW_FA_BF16
-// K [m, Hkv, D] -> [Hkv][D/2][ldk] and V -> [Hkv][ldk/2][D], bf16 pairs, zero past m.
+// K [m, Hkv, D] -> [Hkv][D/2][ldk] and V -> [Hkv][bf16_value_pairs(ldk)][D], bf16 pairs,
+// zero past m. V pairs the sinks [0, num_sink) from key 0 and the other keys from key
+// num_sink (an odd num_sink leaves a zero key in the sinks' last pair).
 template <typename T>
-void pack_bf16_kv(const T* kp, const T* vp, int64_t m, int64_t hkv, int64_t d, int64_t ldk, uint32_t* kt,
-                  uint32_t* vt) {
-  const int64_t krows = hkv * (d / 2), vrows = hkv * (ldk / 2);
+void pack_bf16_kv(const T* kp, const T* vp, int64_t m, int64_t num_sink, int64_t hkv, int64_t d, int64_t ldk,
+                  uint32_t* kt, uint32_t* vt) {
+  const int64_t pairs = bf16_value_pairs(ldk), krows = hkv * (d / 2), vrows = hkv * pairs;
+  const int64_t sink_pairs = (num_sink + 1) / 2;
 #pragma omp for schedule(static) nowait
   for (int64_t hp = 0; hp < krows; ++hp) {
     const int64_t h = hp / (d / 2), dd = 2 * (hp % (d / 2));
@@ -2853,12 +2864,14 @@ void pack_bf16_kv(const T* kp, const T* vp, int64_t m, int64_t hkv, int64_t d, i
   }
 #pragma omp for schedule(static)
   for (int64_t hj = 0; hj < vrows; ++hj) {
-    const int64_t h = hj / (ldk / 2), j = 2 * (hj % (ldk / 2));
+    const int64_t h = hj / pairs, jp = hj % pairs;
+    const bool sink = jp < sink_pairs;
+    const int64_t j = sink ? 2 * jp : num_sink + 2 * (jp - sink_pairs), end = sink ? num_sink : m;
     uint32_t* row = vt + hj * d;
     const T* v0 = vp + (j * hkv + h) * d;
     const T* v1 = v0 + hkv * d;
     for (int64_t dd = 0; dd < d; ++dd)
-      row[dd] = bf16_pair(j < m ? bf16_bits(v0[dd]) : 0u, j + 1 < m ? bf16_bits(v1[dd]) : 0u);
+      row[dd] = bf16_pair(j < end ? bf16_bits(v0[dd]) : 0u, j + 1 < end ? bf16_bits(v1[dd]) : 0u);
   }
 }
 #endif
@@ -2875,7 +2888,7 @@ bool has_bf16_attention() { return CW_FA_BF16 != 0; }
 // (contiguous), causal, with an optional window (0: none): the first num_sink keys are the
 // sinks at positions 0.. (StreamingLLM: visible to every later query, scored against
 // q_sink [n, Hq, D]), the others at positions k0... A query that sees no key gets zeros.
-// fp32 q, k and v by default; bf16_dots (AVX-512 BF16 builds, no sinks): k and v fp32 or
+// fp32 q, k and v by default; bf16_dots (AVX-512 BF16 builds): k and v fp32 or
 // bf16, Q K^T and P V as bf16 dot products with fp32 sums. -> [n, Hq, D] fp32.
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t q0, int64_t k0,
                              int64_t window, double scale, const c10::optional<at::Tensor>& q_sink,
@@ -2894,7 +2907,6 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   TORCH_CHECK(num_sink == 0 || (q_sink.has_value() && q_sink->dtype() == at::kFloat && q_sink->is_contiguous() &&
                                 q_sink->sizes() == q.sizes()),
               "sink keys need q_sink: a contiguous fp32 tensor shaped like q");
-  TORCH_CHECK(!bf16_dots || num_sink == 0, "bf16_dots takes no sink keys (num_sink ", num_sink, ")");
   TORCH_CHECK(!bf16_dots || CW_FA_BF16, "bf16_dots needs the AVX-512 BF16 build of the kernels (has_bf16_attention() is False)");
 #if CW_SIMD
   at::Tensor out = at::empty_like(q);
@@ -2912,18 +2924,20 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   const int nt = static_cast<int>(std::min<int64_t>(std::max(1, at::get_num_threads()), tasks));
   if (bf16_dots) {
 #if CW_FA_BF16
-    std::vector<uint32_t> kt(static_cast<size_t>(hkv * (d / 2) * ldk)), vt(static_cast<size_t>(hkv * (ldk / 2) * d));
+    std::vector<uint32_t> kt(static_cast<size_t>(hkv * (d / 2) * ldk));
+    std::vector<uint32_t> vt(static_cast<size_t>(hkv * bf16_value_pairs(ldk) * d));
 #pragma omp parallel num_threads(nt)
     {
       if (k.dtype() == at::kFloat)
-        pack_bf16_kv(k.data_ptr<float>(), v.data_ptr<float>(), m, hkv, d, ldk, kt.data(), vt.data());
+        pack_bf16_kv(k.data_ptr<float>(), v.data_ptr<float>(), m, num_sink, hkv, d, ldk, kt.data(), vt.data());
       else
-        pack_bf16_kv(k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(), m, hkv, d, ldk, kt.data(), vt.data());
+        pack_bf16_kv(k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(), m, num_sink, hkv, d, ldk, kt.data(),
+                     vt.data());
       FlashScratch w;
 #pragma omp for schedule(dynamic, 1)
       for (int64_t t = 0; t < tasks; ++t) {
         const int64_t b = blocks - 1 - t / hkv, h = t % hkv;
-        flash_task<true>(a, qp, nullptr, 0, kt.data(), ldk, vt.data(), op, h, b * per_task,
+        flash_task<true>(a, qp, qsp, num_sink, kt.data(), ldk, vt.data(), op, h, b * per_task,
                          std::min(n, (b + 1) * per_task), w);
       }
     }

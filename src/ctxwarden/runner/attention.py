@@ -68,7 +68,7 @@ class AttentionBackend:
 class TorchPagedAttention(AttentionBackend):
     """Gather + SDPA for prefill, gather + GQA matmul for decode (see module docstring).
 
-    `prompt_bf16`: prompt rows that ext's flash attention runs (no sinks, no soft-capping)
+    `prompt_bf16`: prompt rows that ext's flash attention runs (sinks too; not soft-capping)
     take its bf16 dot products (`bf16_dots`); generated rows keep fp32 on every path, so a
     row's precision follows its role, never its step (docs/runner.md).
     """
@@ -131,7 +131,7 @@ def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, params: AttentionParams) 
 
 def _prefill_one(q, q_sink, flat_k, flat_v, s: SequenceKeys, params: AttentionParams, prompt_bf16: bool = False):
     n = q.shape[0]
-    n_prompt = s.num_prompt_rows if prompt_bf16 and q_sink is None and not params.sink_tokens else 0
+    n_prompt = s.num_prompt_rows if prompt_bf16 else 0
     # bf16 pages stay bf16 when every row takes bf16 dot products (half the bytes gathered)
     kv_dtype = torch.bfloat16 if n_prompt == n and flat_k.dtype == torch.bfloat16 else q.dtype
     k = _gather(flat_k, s.key_slots, kv_dtype)  # [m, Hkv, D]
@@ -139,18 +139,17 @@ def _prefill_one(q, q_sink, flat_k, flat_v, s: SequenceKeys, params: AttentionPa
     ranges = _prefill_kernel_keys(q, k, s, params)
     if ranges is None and k.dtype != q.dtype:
         k, v = k.to(q.dtype), v.to(q.dtype)
-    if ranges is not None and n_prompt and not ranges[1]:
-        def flash(rows: slice, bf16: bool) -> torch.Tensor:
-            return kernels().prefill_attention(q[rows].contiguous(), k, v, s.num_computed_tokens + rows.start,
-                                               ranges[0], params.window_tokens or 0, params.scale, None, 0, bf16)
-        if n_prompt == n:
-            return flash(slice(0, n), True)
-        return torch.cat((flash(slice(0, n_prompt), True), flash(slice(n_prompt, n), False)))
     if ranges is not None:
         k0, num_sink = ranges
         qs = None if not num_sink else (q if q_sink is None else q_sink).float().contiguous()
-        return kernels().prefill_attention(q.contiguous(), k, v, s.num_computed_tokens, k0,
-                                           params.window_tokens or 0, params.scale, qs, num_sink)
+
+        def flash(rows: slice, bf16: bool) -> torch.Tensor:
+            return kernels().prefill_attention(q[rows].contiguous(), k, v, s.num_computed_tokens + rows.start, k0,
+                                               params.window_tokens or 0, params.scale,
+                                               None if qs is None else qs[rows].contiguous(), num_sink, bf16)
+        if n_prompt in (0, n):
+            return flash(slice(0, n), n_prompt == n)
+        return torch.cat((flash(slice(0, n_prompt), True), flash(slice(n_prompt, n), False)))
     if params.softcap is None and q_sink is None:
         return _sdpa(q, k, v, s, params)
     if params.softcap is None and _FLASH_WITH_LSE is not None:

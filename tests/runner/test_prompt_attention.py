@@ -154,3 +154,25 @@ def test_a_single_token_step_with_a_prompt_token_leaves_the_decode_path(tiny_mod
     assert build_step_inputs(both, layout, 8, False).groups[0].decode is not None
     seq = build_step_inputs(both, layout, 8, True).groups[0].sequences
     assert [s.num_prompt_rows for s in seq] == [0, 1]
+
+
+def test_auto_takes_bf16_only_with_a_bf16_cache_and_a_model_the_kernel_runs(tiny_model):
+    import dataclasses
+
+    from ctxwarden.runner import RunnerConfig
+    from ctxwarden.runner.model_runner import resolve_prompt_attention
+    from ctxwarden.spec.checkpoint import resolve_checkpoint
+
+    spec = resolve_checkpoint(tiny_model("llama")).spec
+    capped = dataclasses.replace(spec, attn_logit_softcapping=50.0)
+    config = lambda **kw: RunnerConfig(num_blocks=4, **kw)  # noqa: E731
+    assert resolve_prompt_attention(config(kv_dtype="fp32"), spec) == "fp32"
+    assert resolve_prompt_attention(config(kv_dtype="bf16", prompt_attention="fp32"), spec) == "fp32"
+    assert resolve_prompt_attention(config(kv_dtype="bf16"), capped) == "fp32"
+    with pytest.raises(ValueError, match="prompt_attention='bf16' needs .* dtype fp32 \\(got bf16\\)"):
+        resolve_prompt_attention(config(kv_dtype="bf16", dtype="bf16", prompt_attention="bf16"), spec)
+    with pytest.raises(ValueError, match="prompt_attention must be one of auto, bf16, fp32, got 'half'"):
+        config(prompt_attention="half")
+    if ext is not None and ext.has_bf16_attention():
+        assert resolve_prompt_attention(config(kv_dtype="bf16"), spec) == "bf16"
+        assert resolve_prompt_attention(config(kv_dtype="fp32", prompt_attention="bf16"), spec) == "bf16"

@@ -91,8 +91,9 @@ def _allocate_kv(spec, layout: KVLayout, config: RunnerConfig) -> PagedKVCache:
 def resolve_prompt_attention(config: RunnerConfig, spec) -> str:
     """"bf16" or "fp32": what prompt rows take (RunnerConfig.prompt_attention). bf16 needs an
     AVX-512 BF16 build of ext/, fp32 activations, head_dim a multiple of 16 and a model
-    whose layers attend through the paged backend's flash kernel (not MLA); "auto" also
-    needs a bf16 KV cache (whose K and V are then read as they are stored)."""
+    whose layers attend through the paged backend's flash kernel (not MLA, no logit
+    soft-capping); "auto" also needs a bf16 KV cache (whose K and V are then read as they
+    are stored)."""
     from ctxwarden.ext import kernels
 
     if config.prompt_attention == "fp32":
@@ -100,12 +101,13 @@ def resolve_prompt_attention(config: RunnerConfig, spec) -> str:
     ext = kernels()
     able = (ext is not None and getattr(ext, "has_bf16_attention", lambda: False)()
             and config.dtype in ("fp32", "float32") and spec.mla is None and spec.head_dim % 16 == 0
-            and spec.head_dim <= 512)
+            and spec.head_dim <= 512 and spec.attn_logit_softcapping is None)
     if config.prompt_attention == "bf16":
         if not able:
             raise ValueError("prompt_attention='bf16' needs ext/ kernels built for AVX-512 BF16 (this build: "
                              f"{'none' if ext is None else ext.simd_level()}), dtype fp32 (got {config.dtype}), "
-                             f"head_dim a multiple of 16 up to 512 (got {spec.head_dim}) and no MLA; "
+                             f"head_dim a multiple of 16 up to 512 (got {spec.head_dim}), no MLA and no "
+                             "attention soft-capping; "
                              "use prompt_attention='fp32' or 'auto'")
         return "bf16"
     return "bf16" if able and config.kv_dtype == "bf16" else "fp32"

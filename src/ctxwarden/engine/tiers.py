@@ -32,8 +32,8 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 def tier_namespace(checkpoint: Checkpoint, dtype: str, kv_dtype: str, layout, block_size: int,
                    weights_mode: str, prompt_attention: str = "fp32") -> TierNamespace:
     """What decides a block's bytes besides its tokens: hashed weights and tokenizer, dtypes,
-    the weights mode, the prompt rows' attention precision, layout, block size and RoPE. Costs one read of the weight files (xxh3,
-    see kv.tiers.keys)."""
+    the weights mode, the prompt rows' attention precision, layout, block size and RoPE.
+    Costs one read of the weight files (xxh3, see kv.tiers.keys)."""
     started = time.perf_counter()
     weights = fingerprint_files(checkpoint.weight_files) if checkpoint.weight_files else "no-weights"
     tok_files = [checkpoint.model_dir / n for n in _TOKENIZER_FILES if (checkpoint.model_dir / n).is_file()]

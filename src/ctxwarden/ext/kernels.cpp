@@ -2699,7 +2699,8 @@ void flash_segment(const FlashArgs& a, const void* kt_any, int64_t ldk, const vo
     if constexpr (Bf16) {
 #if CW_FA_BF16
       const uint32_t* kb = static_cast<const uint32_t*>(kt_any) + jbase + j0;
-      for (r0 = 0; r0 + kFaRows <= rows; r0 += kFaRows) fa_scores_bf16<kFaRows>(w.qb2.data(), kb, ldk, d / 2, r0, w.s.data());
+      for (r0 = 0; r0 + kFaRows <= rows; r0 += kFaRows)
+        fa_scores_bf16<kFaRows>(w.qb2.data(), kb, ldk, d / 2, r0, w.s.data());
       for (; r0 < rows; ++r0) fa_scores_bf16<1>(w.qb2.data(), kb, ldk, d / 2, r0, w.s.data());
 #endif
     } else {
@@ -2907,7 +2908,8 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   TORCH_CHECK(num_sink == 0 || (q_sink.has_value() && q_sink->dtype() == at::kFloat && q_sink->is_contiguous() &&
                                 q_sink->sizes() == q.sizes()),
               "sink keys need q_sink: a contiguous fp32 tensor shaped like q");
-  TORCH_CHECK(!bf16_dots || CW_FA_BF16, "bf16_dots needs the AVX-512 BF16 build of the kernels (has_bf16_attention() is False)");
+  TORCH_CHECK(!bf16_dots || CW_FA_BF16,
+              "bf16_dots needs the AVX-512 BF16 build of the kernels (has_bf16_attention() is False)");
 #if CW_SIMD
   at::Tensor out = at::empty_like(q);
   if (n == 0) return out;

@@ -1,7 +1,8 @@
 """The engine with a bf16 KV cache, whose prompt rows attend in bf16 dot products.
 
-Under `prompt_attention="auto"` a bf16 cache on an AVX-512 BF16 build runs prompt rows'
-attention as bf16 Q K^T / P V and generated rows' in fp32 (tests/runner/
+With `prompt_attention="bf16"` (what "auto" takes with a bf16 cache on an AVX-512 BF16
+build where bf16 measures faster) prompt rows' attention runs as bf16 Q K^T / P V and
+generated rows' in fp32 (tests/runner/
 test_prompt_attention.py). The engine's promises must hold as they do with one precision:
 batching, chunking, pressure (swap or recompute) and prefix hits change no output. What
 changes is sharing: a block holding generated tokens is never cached or hit, because the
@@ -31,7 +32,7 @@ def _prompts(n, lo, hi, seed):
 
 def _llm(tiny_dir, **kw):
     kw.setdefault("kv_memory", "8MiB")
-    llm = LLM(str(tiny_dir), kv_dtype="bf16", **kw)
+    llm = LLM(str(tiny_dir), kv_dtype="bf16", prompt_attention="bf16", **kw)
     assert llm.engine.runner.prompt_attention == "bf16" and llm.engine.scheduler.prompt_blocks_only
     return llm
 

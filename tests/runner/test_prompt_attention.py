@@ -23,6 +23,18 @@ from runner_parity import PageAllocator, make_runner, tables_for
 ext = kernels()
 needs_bf16 = pytest.mark.skipif(ext is None or not ext.has_bf16_attention(),
                                 reason="bf16 prompt attention needs the AVX-512 BF16 build")
+HAS_AMX = ext is not None and hasattr(ext, "has_amx_attention") and ext.has_amx_attention()
+
+
+@pytest.fixture(params=["amx", "avx512"])
+def tiles(request):
+    """The bf16 kernel on AMX's tile units (where the CPU has them) and on AVX-512's."""
+    if request.param == "amx" and not HAS_AMX:
+        pytest.skip("no AMX-BF16 here (or the kernel refused the tiles)")
+    old = ext.set_amx(request.param == "amx") if HAS_AMX else None
+    yield request.param
+    if old is not None:
+        ext.set_amx(old)
 
 
 def _reference(q, k, v, q0, window, q_sink=None, num_sink=0, k0=0):
@@ -49,7 +61,7 @@ def _reference(q, k, v, q0, window, q_sink=None, num_sink=0, k0=0):
     (130, 201, 8, 2, 80, 37),    # a window (blocks start at an odd key), d = 5 x 16
     (1, 1, 2, 1, 16, 0),         # one token
 ])
-def test_bf16_dots_stay_within_their_rounding_bound(n, m, hq, hkv, d, window):
+def test_bf16_dots_stay_within_their_rounding_bound(n, m, hq, hkv, d, window, tiles):
     torch.manual_seed(n + m)
     q = torch.randn(n, hq, d) * 2  # scores spread over several units: a peaked softmax
     k, v = torch.randn(m, hkv, d).bfloat16(), torch.randn(m, hkv, d).bfloat16()
@@ -66,7 +78,7 @@ def test_bf16_dots_stay_within_their_rounding_bound(n, m, hq, hkv, d, window):
 
 
 @needs_bf16
-def test_a_prompt_rows_bf16_result_does_not_depend_on_the_chunking():
+def test_a_prompt_rows_bf16_result_does_not_depend_on_the_chunking(tiles):
     torch.manual_seed(3)
     q = torch.randn(700, 9, 64)
     k, v = torch.randn(700, 3, 64).bfloat16(), torch.randn(700, 3, 64).bfloat16()
@@ -78,13 +90,31 @@ def test_a_prompt_rows_bf16_result_does_not_depend_on_the_chunking():
         assert torch.equal(torch.cat((head, tail)), whole)
 
 
+@pytest.mark.skipif(not HAS_AMX, reason="no AMX-BF16 here (or the kernel refused the tiles)")
+def test_amx_tiles_take_the_heads_they_can_and_switch_off():
+    """AMX runs head sizes that are a multiple of 32 (a tile's 32 bf16 of Q); the two tile
+    kinds sum in other orders, so they agree to the bound, not to the bit."""
+    torch.manual_seed(5)
+    q = torch.randn(100, 9, 64) * 2  # 300 rows: the last tile of 16 padded
+    k, v = torch.randn(400, 3, 64).bfloat16(), torch.randn(400, 3, 64).bfloat16()
+    on = ext.prefill_attention(q, k, v, 300, 0, 0, 0.125, None, 0, True)
+    assert ext.set_amx(False) is True and not ext.has_amx_attention()
+    try:
+        off = ext.prefill_attention(q, k, v, 300, 0, 0, 0.125, None, 0, True)
+    finally:
+        ext.set_amx(True)
+    assert ext.has_amx_attention()
+    bound = 2.0 ** -8 * float(v.float().abs().max())
+    assert 0 < (on - off).abs().max() < 2 * bound
+
+
 @needs_bf16
 @pytest.mark.parametrize("n,m,num_sink,q0,k0,window", [
     (64, 200, 4, 300, 104, 100),   # a chunk deep in a stream: 4 sinks + a window's keys
     (40, 40, 3, 0, 3, 16),         # the stream's first chunk, an odd count of sinks
     (70, 140, 101, 400, 331, 50),  # more sinks than a key block, odd again
 ])
-def test_bf16_dots_with_sinks_stay_within_the_bound(n, m, num_sink, q0, k0, window):
+def test_bf16_dots_with_sinks_stay_within_the_bound(n, m, num_sink, q0, k0, window, tiles):
     torch.manual_seed(n + num_sink)
     q, q_sink = torch.randn(n, 9, 64) * 2, torch.randn(n, 9, 64) * 2
     k, v = torch.randn(m, 3, 64).bfloat16(), torch.randn(m, 3, 64).bfloat16()
@@ -112,7 +142,7 @@ def test_generated_tokens_recomputed_in_a_chunk_get_their_decode_steps_fp32_resu
     P, D = len(prompt), 12
 
     def run():
-        runner = make_runner(model, 16, P + D + 16, kv_dtype="bf16")
+        runner = make_runner(model, 16, P + D + 16, kv_dtype="bf16", prompt_attention="bf16")
         assert runner.prompt_attention == "bf16" and runner.prompt_rows_apart
         return runner, tables_for(runner, PageAllocator(runner.config.num_blocks), P + D + 1)
 
@@ -160,7 +190,7 @@ def test_auto_takes_bf16_only_with_a_bf16_cache_and_a_model_the_kernel_runs(tiny
     import dataclasses
 
     from ctxwarden.runner import RunnerConfig
-    from ctxwarden.runner.model_runner import resolve_prompt_attention
+    from ctxwarden.runner.model_runner import prompt_attention_speed, resolve_prompt_attention
     from ctxwarden.spec.checkpoint import resolve_checkpoint
 
     spec = resolve_checkpoint(tiny_model("llama")).spec
@@ -174,5 +204,8 @@ def test_auto_takes_bf16_only_with_a_bf16_cache_and_a_model_the_kernel_runs(tiny
     with pytest.raises(ValueError, match="prompt_attention must be one of auto, bf16, fp32, got 'half'"):
         config(prompt_attention="half")
     if ext is not None and ext.has_bf16_attention():
-        assert resolve_prompt_attention(config(kv_dtype="bf16"), spec) == "bf16"
+        # auto takes bf16 where it measured faster than fp32 here, and explicit bf16 anywhere
+        choice, speed = prompt_attention_speed(spec.head_dim)
+        assert speed > 0 and choice == ("bf16" if speed > 1 / 0.9 else "fp32")
+        assert resolve_prompt_attention(config(kv_dtype="bf16"), spec) == choice
         assert resolve_prompt_attention(config(kv_dtype="fp32", prompt_attention="bf16"), spec) == "bf16"

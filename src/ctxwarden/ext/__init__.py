@@ -5,7 +5,8 @@
 installs is the machine that runs). `kernels()` imports the built module, or returns None
 when it was never built or cannot load; every caller then takes its plain-torch path, so a
 machine without a compiler still runs, only slower. Set CTXWARDEN_NO_EXT=1 to force the
-fallback (the tests run both ways).
+fallback (the tests run both ways), CTXWARDEN_AMX=0 to keep the kernels off AMX's tile
+units where they would use them.
 """
 
 from __future__ import annotations
@@ -38,9 +39,12 @@ def kernels():
     import torch  # noqa: F401  (the module links against torch's libraries)
 
     try:
-        return load_module(path)
+        module = load_module(path)
     except (ImportError, OSError):
         return None
+    if os.environ.get("CTXWARDEN_AMX", "").strip() == "0" and hasattr(module, "set_amx"):
+        module.set_amx(False)  # the AVX-512 tiles instead of AMX's (to measure one against the other)
+    return module
 
 
 def load_module(path: Path):

@@ -20,6 +20,10 @@
 #include <ATen/Parallel.h>
 
 #include <immintrin.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #if defined(_OPENMP)
 #include <omp.h>
 #endif
@@ -38,6 +42,40 @@
 namespace {
 
 constexpr int64_t kGroup = 32;
+
+// ---- AMX (Intel's tile units), where the build and the kernel have them ----------------
+// Eight tile registers of up to 16 rows x 64 bytes, configured per thread (a palette of
+// shapes, _tile_loadconfig); TDPBF16PS adds a 16 x 32 bf16 tile (A) times a 32 x 16 one
+// held as 16 rows of pairs (B) into a 16 x 16 fp32 tile, 8,192 multiply-adds an
+// instruction. Linux hands a process the tiles only on request (arch_prctl
+// ARCH_REQ_XCOMP_PERM for XTILEDATA); where that is refused the AVX-512 paths run.
+#if defined(__AMX_TILE__) && defined(__linux__) && defined(__AVX512F__)
+#define CW_AMX 1
+struct alignas(64) AmxConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+bool amx_ready() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+#else
+#define CW_AMX 0
+#endif
+std::atomic<bool> g_amx_enabled{true};
+// Whether the kernels may run on AMX tiles: a build with them, the kernel granted them, and
+// not switched off (set_amx(false): the AVX-512 paths, e.g. to measure one against the other).
+bool use_amx() {
+#if CW_AMX
+  return g_amx_enabled.load(std::memory_order_relaxed) && amx_ready();
+#else
+  return false;
+#endif
+}
 
 inline float half_to_float(at::Half h) {
 #if defined(__F16C__)
@@ -69,6 +107,8 @@ inline V16 vsub(V16 a, V16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
 inline float vsum(V16 a) { return _mm512_reduce_add_ps(a.v); }
 inline V16 vmax(V16 a, V16 b) { return {_mm512_max_ps(a.v, b.v)}; }
 inline float vhmax(V16 a) { return _mm512_reduce_max_ps(a.v); }
+// whether any lane is above x
+inline bool vany_gt(V16 a, float x) { return _mm512_cmp_ps_mask(a.v, _mm512_set1_ps(x), _CMP_GT_OQ) != 0; }
 // 16 unsigned bytes (in a register) / 16 signed bytes (at p), widened to fp32
 inline V16 vfrom_u8(__m128i b) { return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b))}; }
 inline V16 vfrom_i8(const int8_t* p) {
@@ -82,6 +122,17 @@ inline V16 vexp_nonpositive(V16 x) {
   const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));  // f ln 2
   __m512 p = _mm512_set1_ps(1.f / 5040);
   for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+  return {_mm512_scalef_ps(p, n)};
+}
+// vexp_nonpositive to 3.6e-6 relative (a degree-4 least-squares fit of e^g on |g| <= ln 2 / 2
+// for the Taylor series): softmax weights that are rounded to bf16 (2^-9) next.
+inline V16 vexp_nonpositive_coarse(V16 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x.v, _mm512_set1_ps(-100.f)), _mm512_set1_ps(1.4426950408889634f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));
+  __m512 p = _mm512_set1_ps(0.041917529687968275f);
+  for (float c : {0.16792160974653284f, 0.4999886910881161f, 0.9999622784754362f, 1.00000007549535f})
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
   return {_mm512_scalef_ps(p, n)};
 }
 #if defined(__AVX512BF16__)
@@ -126,6 +177,10 @@ inline V16 vmax(V16 x, V16 y) { return {_mm256_max_ps(x.a, y.a), _mm256_max_ps(x
 inline float vhmax(V16 x) {
   return hreduce8(_mm256_max_ps(x.a, x.b), [](__m128 a, __m128 b) { return _mm_max_ps(a, b); },
                   [](__m128 a, __m128 b) { return _mm_max_ss(a, b); });
+}
+inline bool vany_gt(V16 x, float y) {
+  const __m256 t = _mm256_set1_ps(y);
+  return _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(x.a, t, _CMP_GT_OQ), _mm256_cmp_ps(x.b, t, _CMP_GT_OQ))) != 0;
 }
 inline V16 vfrom_u8(__m128i b) {
   return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)))};
@@ -2569,6 +2624,7 @@ struct FlashArgs {
   int64_t n, m, hq, hkv, d, g;  // queries, keys, heads, head dim, query heads per KV head
   int64_t q0, k0, window;        // first query / key position, window (0: none)
   float scale;
+  bool amx = false;  // bf16 dots on the tile units (CW_FA_AMX): every row in 16-row tiles
 };
 
 // S[r, 0..64) = Q[r] . Kt[:, 0..64) for RT rows from r0 (Kt: [d][ldk], Q pre-scaled).
@@ -2668,8 +2724,77 @@ inline void fa_values_bf16(const uint32_t* p, const uint32_t* v, int64_t np, int
 #define CW_FA_BF16 0
 #endif
 
+#if CW_FA_BF16 && CW_AMX && defined(__AMX_BF16__)
+#define CW_FA_AMX 1
+// bf16 dots on AMX: TDPBF16PS, 16 times vdpbf16ps' multiply-adds an instruction. The bf16
+// attention's layouts are already what the tiles load: Q and P rows of pairs (A), K^T and
+// V as rows of pairs (B). Every tile here is 16 rows of 64 bytes.
+inline const AmxConfig& amx_config() {
+  static const AmxConfig cfg = [] {
+    AmxConfig c;
+    for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
+    return c;
+  }();
+  return cfg;
+}
+// Q K^T of 16 query rows from r0 against one block's 64 keys: S [16][64] fp32.
+// Tiles: 0-3 the four 16-key columns of S, 4 the queries, 5-7 the keys (loads overlap).
+inline void amx_scores(const uint32_t* qb, const uint32_t* kt, int64_t ldk, int64_t dp_n, int64_t r0, float* s) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t dp = 0; dp < dp_n; dp += 16) {
+    _tile_loadd(4, qb + r0 * dp_n + dp, dp_n * 4);
+    const uint32_t* kb = kt + dp * ldk;
+    _tile_loadd(5, kb, ldk * 4);
+    _tile_loadd(6, kb + 16, ldk * 4);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(7, kb + 32, ldk * 4);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(5, kb + 48, ldk * 4);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  float* sr = s + r0 * kFaKeys;
+  _tile_stored(0, sr, kFaKeys * 4);
+  _tile_stored(1, sr + 16, kFaKeys * 4);
+  _tile_stored(2, sr + 32, kFaKeys * 4);
+  _tile_stored(3, sr + 48, kFaKeys * 4);
+}
+// O[16 rows from r0][c0*16 .. (c0+CT)*16) += P V over the block's 32 key pairs (P zero past
+// the visible keys). Tiles 0..CT-1 the output columns, 4 P, 5-7 V.
+template <int CT>
+inline void amx_values(const uint32_t* p, const uint32_t* v, int64_t r0, int64_t c0, float* o, int64_t d) {
+  float* ob = o + r0 * d + c0 * 16;
+  const uint32_t* vb = v + c0 * 16;
+  _tile_loadd(0, ob, d * 4);
+  if constexpr (CT > 1) _tile_loadd(1, ob + 16, d * 4);
+  if constexpr (CT > 2) _tile_loadd(2, ob + 32, d * 4);
+  if constexpr (CT > 3) _tile_loadd(3, ob + 48, d * 4);
+  for (int64_t kp = 0; kp < kFaKeys / 2; kp += 16) {
+    _tile_loadd(4, p + r0 * (kFaKeys / 2) + kp, kFaKeys / 2 * 4);
+    const uint32_t* vk = vb + kp * d;
+    _tile_loadd(5, vk, d * 4);
+    if constexpr (CT > 1) _tile_loadd(6, vk + 16, d * 4);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (CT > 2) _tile_loadd(7, vk + 32, d * 4);
+    if constexpr (CT > 1) _tile_dpbf16ps(1, 4, 6);
+    if constexpr (CT > 3) _tile_loadd(5, vk + 48, d * 4);
+    if constexpr (CT > 2) _tile_dpbf16ps(2, 4, 7);
+    if constexpr (CT > 3) _tile_dpbf16ps(3, 4, 5);
+  }
+  _tile_stored(0, ob, d * 4);
+  if constexpr (CT > 1) _tile_stored(1, ob + 16, d * 4);
+  if constexpr (CT > 2) _tile_stored(2, ob + 32, d * 4);
+  if constexpr (CT > 3) _tile_stored(3, ob + 48, d * 4);
+}
+#else
+#define CW_FA_AMX 0
+#endif
+
 struct FlashScratch {
-  std::vector<float> qb, o, s, mx, sum;
+  std::vector<float> qb, o, s, mx, sum;  // sum: 16 lanes a row
   std::vector<int64_t> lo, hi;
   std::vector<uint32_t> qb2, p2;  // bf16 pairs: queries, softmax weights
 };
@@ -2699,7 +2824,13 @@ void flash_segment(const FlashArgs& a, const void* kt_any, int64_t ldk, const vo
     if constexpr (Bf16) {
 #if CW_FA_BF16
       const uint32_t* kb = static_cast<const uint32_t*>(kt_any) + jbase + j0;
-      for (r0 = 0; r0 + kFaRows <= rows; r0 += kFaRows)
+#if CW_FA_AMX
+      if (a.amx) {  // rows padded to whole tiles (the pad rows' queries are zero)
+        for (r0 = 0; r0 < rows; r0 += 16) amx_scores(w.qb2.data(), kb, ldk, d / 2, r0, w.s.data());
+        r0 = rows;
+      }
+#endif
+      for (; r0 + kFaRows <= rows; r0 += kFaRows)
         fa_scores_bf16<kFaRows>(w.qb2.data(), kb, ldk, d / 2, r0, w.s.data());
       for (; r0 < rows; ++r0) fa_scores_bf16<1>(w.qb2.data(), kb, ldk, d / 2, r0, w.s.data());
 #endif
@@ -2725,18 +2856,27 @@ void flash_segment(const FlashArgs& a, const void* kt_any, int64_t ldk, const vo
         for (int64_t jj = hi; jj < kFaKeys; ++jj) sr[jj] = -INFINITY;
       }
       const V16 m4 = vmax(vmax(vload(sr), vload(sr + 16)), vmax(vload(sr + 32), vload(sr + 48)));
-      const float top = std::max(w.mx[r], vhmax(m4));
+      // the reduction only where a score passes the running max (past the first blocks, rarely)
+      const float top = vany_gt(m4, w.mx[r]) ? std::max(w.mx[r], vhmax(m4)) : w.mx[r];
       const float alpha = top == w.mx[r] ? 1.f : std::exp(w.mx[r] - top);  // 0 on the first block
       w.mx[r] = top;
       const V16 t16 = vset1(top);
-      for (int c = 0; c < 4; ++c) vstore(sr + c * 16, vexp_nonpositive(vsub(vload(sr + c * 16), t16)));
+#if CW_FA_BF16
+      if constexpr (Bf16) {
+        for (int c = 0; c < 4; ++c) vstore(sr + c * 16, vexp_nonpositive_coarse(vsub(vload(sr + c * 16), t16)));
+      } else
+#endif
+      {
+        for (int c = 0; c < 4; ++c) vstore(sr + c * 16, vexp_nonpositive(vsub(vload(sr + c * 16), t16)));
+      }
       if (masked) {  // e^-inf is not exactly 0 in vexp_nonpositive's clamped range
         for (int64_t jj = 0; jj < lo; ++jj) sr[jj] = 0.f;
         for (int64_t jj = hi; jj < kFaKeys; ++jj) sr[jj] = 0.f;
       }
-      V16 acc = vzero();
-      for (int c = 0; c < 4; ++c) acc = vadd(acc, vload(sr + c * 16));
-      w.sum[r] = w.sum[r] * alpha + vsum(acc);
+      // the row's sum kept in 16 lanes (reduced once, at the end)
+      const V16 acc = vadd(vadd(vload(sr), vload(sr + 16)), vadd(vload(sr + 32), vload(sr + 48)));
+      float* sum16 = w.sum.data() + r * 16;
+      vstore(sum16, alpha == 1.f ? vadd(vload(sum16), acc) : vfmadd(vload(sum16), vset1(alpha), acc));
 #if CW_FA_BF16
       if constexpr (Bf16) {  // the weights as bf16 pairs of consecutive keys
         __m512i* pr = reinterpret_cast<__m512i*>(w.p2.data() + r * (kFaKeys / 2));
@@ -2756,6 +2896,16 @@ void flash_segment(const FlashArgs& a, const void* kt_any, int64_t ldk, const vo
       // the segment's key pairs start at pair (jbase + 1) / 2: the sinks' pairs come first
       const uint32_t* vb = static_cast<const uint32_t*>(v_any) + ((jbase + 1) / 2 + j0 / 2) * d;
       const int64_t np = (nb + 1) / 2;
+#if CW_FA_AMX
+      if (a.amx) {  // all 32 pairs of the block: P is zero past the visible keys
+        for (r0 = 0; r0 < rows; r0 += 16) {
+          int64_t c0 = 0;
+          for (; c0 + 4 <= d / 16; c0 += 4) amx_values<4>(w.p2.data(), vb, r0, c0, w.o.data(), d);
+          if (d / 16 - c0 == 2) amx_values<2>(w.p2.data(), vb, r0, c0, w.o.data(), d);
+        }
+        continue;
+      }
+#endif
       for (int64_t c0 = 0; c0 < d / 16; c0 += 4) {
         const int ct = static_cast<int>(std::min<int64_t>(4, d / 16 - c0));
         r0 = 0;
@@ -2817,16 +2967,19 @@ void flash_task(const FlashArgs& a, const float* q, const float* q_sink, int64_t
   if constexpr (Bf16) {
     kt = static_cast<const uint32_t*>(kt) + h * (d / 2) * ldk;
     v = static_cast<const uint32_t*>(v) + h * bf16_value_pairs(ldk) * d;
-    w.qb2.resize(rows * (d / 2));
-    w.p2.resize(rows * (kFaKeys / 2));
+    const int64_t tile_rows = a.amx ? (rows + 15) / 16 * 16 : rows;  // AMX: whole 16-row tiles
+    w.qb2.assign(tile_rows * (d / 2), 0u);
+    w.p2.assign(tile_rows * (kFaKeys / 2), 0u);
+    w.o.assign(tile_rows * d, 0.f);
+    w.s.resize(tile_rows * kFaKeys);
   } else {
     kt = static_cast<const float*>(kt) + h * d * ldk;
     w.qb.resize(rows * d);
+    w.o.assign(rows * d, 0.f);
+    w.s.resize(rows * kFaKeys);
   }
-  w.o.assign(rows * d, 0.f);
-  w.s.resize(rows * kFaKeys);
   w.mx.assign(rows, -INFINITY);
-  w.sum.assign(rows, 0.f);
+  w.sum.assign(rows * 16, 0.f);
   w.lo.resize(rows);
   w.hi.resize(rows);
   if (num_sink > 0) {
@@ -2838,7 +2991,8 @@ void flash_task(const FlashArgs& a, const float* q, const float* q_sink, int64_t
   for (int64_t i = i0; i < i1; ++i)
     for (int64_t gi = 0; gi < g; ++gi) {
       const int64_t r = (i - i0) * g + gi;
-      const float inv = w.sum[r] > 0 ? 1.f / w.sum[r] : 0.f;
+      const float sum = vsum(vload(w.sum.data() + r * 16));
+      const float inv = sum > 0 ? 1.f / sum : 0.f;
       float* dst = out + (i * a.hq + h * g + gi) * d;
       for (int64_t dd = 0; dd < d; ++dd) dst[dd] = w.o[r * d + dd] * inv;
     }
@@ -2883,7 +3037,13 @@ void pack_bf16_kv(const T* kp, const T* vp, int64_t m, int64_t num_sink, int64_t
 #if !defined(CW_FA_BF16)
 #define CW_FA_BF16 0
 #endif
+#if !defined(CW_FA_AMX)
+#define CW_FA_AMX 0
+#endif
 bool has_bf16_attention() { return CW_FA_BF16 != 0; }
+
+bool set_amx(bool on) { return g_amx_enabled.exchange(on); }
+bool has_amx_attention() { return CW_FA_AMX && use_amx(); }
 
 // Attention of n queries [n, Hq, D] at positions q0.. over m keys / values [m, Hkv, D]
 // (contiguous), causal, with an optional window (0: none): the first num_sink keys are the
@@ -2913,7 +3073,10 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
 #if CW_SIMD
   at::Tensor out = at::empty_like(q);
   if (n == 0) return out;
-  const FlashArgs a{n, m, hq, hkv, d, hq / hkv, q0, k0, window, static_cast<float>(scale)};
+  FlashArgs a{n, m, hq, hkv, d, hq / hkv, q0, k0, window, static_cast<float>(scale)};
+#if CW_FA_AMX
+  a.amx = bf16_dots && d % 32 == 0 && use_amx();
+#endif
   // ~CW_FA_TASK_ROWS query rows (queries x the group's heads) per task; most keys first
   const int64_t per_task = std::max<int64_t>(1, CW_FA_TASK_ROWS / a.g), blocks = (n + per_task - 1) / per_task;
   const int64_t tasks = blocks * hkv;
@@ -2936,12 +3099,18 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
         pack_bf16_kv(k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(), m, num_sink, hkv, d, ldk, kt.data(),
                      vt.data());
       FlashScratch w;
+#if CW_FA_AMX
+      if (a.amx) _tile_loadconfig(&amx_config());
+#endif
 #pragma omp for schedule(dynamic, 1)
       for (int64_t t = 0; t < tasks; ++t) {
         const int64_t b = blocks - 1 - t / hkv, h = t % hkv;
         flash_task<true>(a, qp, qsp, num_sink, kt.data(), ldk, vt.data(), op, h, b * per_task,
                          std::min(n, (b + 1) * per_task), w);
       }
+#if CW_FA_AMX
+      if (a.amx) _tile_release();
+#endif
     }
 #endif
     return out;
@@ -3007,6 +3176,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, nogil, "silu(gate) * up");
   m.def("rope_write_kv", &rope_write_kv, nogil, "rotate q/k, write k/v to the pool, return q");
   m.def("paged_decode_attention", &paged_decode_attention, nogil, "decode attention over KV pages in place");
+  m.def("has_amx_attention", &has_amx_attention,
+        "whether prefill_attention's bf16_dots run on AMX tiles (AMX-BF16 build, granted by the kernel, not switched off)");
+  m.def("set_amx", &set_amx, "switch the AMX tiles on or off (off: the AVX-512 paths); returns the old setting");
   m.def("prefill_attention", &prefill_attention, nogil, "causal (windowed, sink) flash attention of a chunk's queries, fp32",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("q0"), py::arg("k0"), py::arg("window"), py::arg("scale"),
         py::arg("q_sink") = py::none(), py::arg("num_sink") = 0, py::arg("bf16_dots") = false);

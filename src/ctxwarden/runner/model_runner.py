@@ -10,7 +10,10 @@ manager's business, handed in through the block tables.
 from __future__ import annotations
 
 import os
+import statistics
+import time
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -93,7 +96,7 @@ def resolve_prompt_attention(config: RunnerConfig, spec) -> str:
     AVX-512 BF16 build of ext/, fp32 activations, head_dim a multiple of 16 and a model
     whose layers attend through the paged backend's flash kernel (not MLA, no logit
     soft-capping); "auto" also needs a bf16 KV cache (whose K and V are then read as they
-    are stored)."""
+    are stored) and bf16 measured faster than fp32 here (prompt_attention_speed)."""
     from ctxwarden.ext import kernels
 
     if config.prompt_attention == "fp32":
@@ -110,7 +113,50 @@ def resolve_prompt_attention(config: RunnerConfig, spec) -> str:
                              "attention soft-capping; "
                              "use prompt_attention='fp32' or 'auto'")
         return "bf16"
-    return "bf16" if able and config.kv_dtype == "bf16" else "fp32"
+    if not (able and config.kv_dtype == "bf16"):
+        return "fp32"
+    return "bf16" if prompt_attention_speed(spec.head_dim)[0] == "bf16" else "fp32"
+
+
+@lru_cache(maxsize=None)
+def prompt_attention_speed(head_dim: int) -> tuple[str, float | None]:
+    """('bf16' | 'fp32', bf16 dots' speed over fp32 as measured, or None when not measured):
+    which prompt attention "auto" takes on this CPU, by timing ext's flash kernel both ways.
+
+    bf16 dot products are not faster everywhere: on a Zen 4 (vdpbf16ps at twice an FMA's
+    multiply-adds) they ran 1.61-1.84x fp32, on an Intel Xeon with AMX whose tiles were not
+    used 0.73x (its two FMA ports against one for vdpbf16ps), and on its tile units 2.5-3.6x
+    (kernel_ab.py, 2026-12-07). So "auto" measures: 192 causal queries over 768 keys, 6
+    query heads on 2 KV heads of `head_dim`, bf16 K/V, interleaved, 5 rounds of 2 calls
+    after a warm-up (~10-40 ms, once per process and head size), and takes bf16 only when
+    its median is under 0.9x fp32's, as fp32_gemm_backend does.
+    $CTXWARDEN_PROMPT_ATTENTION=bf16|fp32 decides without measuring.
+    """
+    from ctxwarden.ext import kernels
+
+    ext = kernels()
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(192, 6, head_dim, generator=g)
+    k, v = (torch.randn(768, 2, head_dim, generator=g).bfloat16() for _ in range(2))
+    kf, vf = k.float(), v.float()
+    scale = head_dim ** -0.5
+
+    def bf16():
+        return ext.prefill_attention(q, k, v, 768 - 192, 0, 0, scale, None, 0, True)
+
+    def fp32():
+        return ext.prefill_attention(q, kf, vf, 768 - 192, 0, 0, scale, None, 0, False)
+
+    times = {bf16: [], fp32: []}
+    for fn in times:
+        fn()
+    for _ in range(5):
+        for fn, samples in times.items():
+            start = time.perf_counter()
+            fn(), fn()
+            samples.append(time.perf_counter() - start)
+    ratio = statistics.median(times[fp32]) / statistics.median(times[bf16])
+    return ("bf16" if ratio > 1 / 0.9 else "fp32"), ratio
 
 
 class ModelRunner:

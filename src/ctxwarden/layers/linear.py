@@ -200,16 +200,22 @@ def fp32_gemm_backend() -> tuple[str, float | None]:
     def mkl():
         return F.linear(x, w)
 
-    times = {onednn: [], mkl: []}
+    ratio = speedup(mkl, onednn)
+    return ("onednn" if ratio > 1 / 0.9 else "mkl"), ratio
+
+
+def speedup(baseline, candidate, rounds: int = 5) -> float:
+    """baseline's median time over candidate's: both called once to warm up, then `rounds`
+    interleaved rounds of 2 calls each (the per-process choices between two kernels)."""
+    times = {baseline: [], candidate: []}
     for fn in times:
         fn()
-    for _ in range(5):
+    for _ in range(rounds):
         for fn, samples in times.items():
             start = time.perf_counter()
             fn(), fn()
             samples.append(time.perf_counter() - start)
-    ratio = statistics.median(times[mkl]) / statistics.median(times[onednn])
-    return ("onednn" if ratio > 1 / 0.9 else "mkl"), ratio
+    return statistics.median(times[baseline]) / statistics.median(times[candidate])
 
 
 # Row counts qdense_min_rows times, and its answer for "never" (above any decode batch:

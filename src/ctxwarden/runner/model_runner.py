@@ -10,8 +10,6 @@ manager's business, handed in through the block tables.
 from __future__ import annotations
 
 import os
-import statistics
-import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -133,6 +131,7 @@ def prompt_attention_speed(head_dim: int) -> tuple[str, float | None]:
     $CTXWARDEN_PROMPT_ATTENTION=bf16|fp32 decides without measuring.
     """
     from ctxwarden.ext import kernels
+    from ctxwarden.layers.linear import speedup
 
     ext = kernels()
     g = torch.Generator().manual_seed(0)
@@ -147,15 +146,7 @@ def prompt_attention_speed(head_dim: int) -> tuple[str, float | None]:
     def fp32():
         return ext.prefill_attention(q, kf, vf, 768 - 192, 0, 0, scale, None, 0, False)
 
-    times = {bf16: [], fp32: []}
-    for fn in times:
-        fn()
-    for _ in range(5):
-        for fn, samples in times.items():
-            start = time.perf_counter()
-            fn(), fn()
-            samples.append(time.perf_counter() - start)
-    ratio = statistics.median(times[fp32]) / statistics.median(times[bf16])
+    ratio = speedup(fp32, bf16)
     return ("bf16" if ratio > 1 / 0.9 else "fp32"), ratio
 
 

@@ -2964,20 +2964,18 @@ template <bool Bf16>
 void flash_task(const FlashArgs& a, const float* q, const float* q_sink, int64_t num_sink, const void* kt,
                 int64_t ldk, const void* v, float* out, int64_t h, int64_t i0, int64_t i1, FlashScratch& w) {
   const int64_t g = a.g, d = a.d, rows = (i1 - i0) * g;
+  const int64_t tile_rows = Bf16 && a.amx ? (rows + 15) / 16 * 16 : rows;  // AMX: whole 16-row tiles
   if constexpr (Bf16) {
     kt = static_cast<const uint32_t*>(kt) + h * (d / 2) * ldk;
     v = static_cast<const uint32_t*>(v) + h * bf16_value_pairs(ldk) * d;
-    const int64_t tile_rows = a.amx ? (rows + 15) / 16 * 16 : rows;  // AMX: whole 16-row tiles
     w.qb2.assign(tile_rows * (d / 2), 0u);
     w.p2.assign(tile_rows * (kFaKeys / 2), 0u);
-    w.o.assign(tile_rows * d, 0.f);
-    w.s.resize(tile_rows * kFaKeys);
   } else {
     kt = static_cast<const float*>(kt) + h * d * ldk;
     w.qb.resize(rows * d);
-    w.o.assign(rows * d, 0.f);
-    w.s.resize(rows * kFaKeys);
   }
+  w.o.assign(tile_rows * d, 0.f);
+  w.s.resize(tile_rows * kFaKeys);
   w.mx.assign(rows, -INFINITY);
   w.sum.assign(rows * 16, 0.f);
   w.lo.resize(rows);

@@ -113,13 +113,13 @@ def resolve_prompt_attention(config: RunnerConfig, spec) -> str:
         return "bf16"
     if not (able and config.kv_dtype == "bf16"):
         return "fp32"
-    return "bf16" if prompt_attention_speed(spec.head_dim)[0] == "bf16" else "fp32"
+    return prompt_attention_speed(spec.head_dim)[0]
 
 
 @lru_cache(maxsize=None)
-def prompt_attention_speed(head_dim: int) -> tuple[str, float | None]:
-    """('bf16' | 'fp32', bf16 dots' speed over fp32 as measured, or None when not measured):
-    which prompt attention "auto" takes on this CPU, by timing ext's flash kernel both ways.
+def prompt_attention_speed(head_dim: int) -> tuple[str, float]:
+    """('bf16' | 'fp32', bf16 dots' speed over fp32 as measured): which prompt attention
+    "auto" takes on this CPU, by timing ext's flash kernel both ways.
 
     bf16 dot products are not faster everywhere: on a Zen 4 (vdpbf16ps at twice an FMA's
     multiply-adds) they ran 1.61-1.84x fp32, on an Intel Xeon with AMX whose tiles were not
@@ -127,8 +127,8 @@ def prompt_attention_speed(head_dim: int) -> tuple[str, float | None]:
     (kernel_ab.py, 2026-12-07). So "auto" measures: 192 causal queries over 768 keys, 6
     query heads on 2 KV heads of `head_dim`, bf16 K/V, interleaved, 5 rounds of 2 calls
     after a warm-up (~10-40 ms, once per process and head size), and takes bf16 only when
-    its median is under 0.9x fp32's, as fp32_gemm_backend does.
-    $CTXWARDEN_PROMPT_ATTENTION=bf16|fp32 decides without measuring.
+    its median is under 0.9x fp32's, as fp32_gemm_backend does (layers/linear.py speedup).
+    $CTXWARDEN_PROMPT_ATTENTION=bf16|fp32 (EngineConfig) decides without measuring.
     """
     from ctxwarden.ext import kernels
     from ctxwarden.layers.linear import speedup

@@ -6,6 +6,7 @@ and the rest of the suite runs the plain-torch fallbacks.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,8 @@ import torch.nn.functional as F
 
 from ctxwarden.diagnostics.environment import read_cpu
 from ctxwarden.ext import has_vector_kernels, kernels
-from ctxwarden.layers.linear import QDENSE_NEVER, decode_kernel, linear, pack_linear, qdense_min_rows
+from ctxwarden.layers.linear import (QDENSE_NEVER, codes_of, decode_kernel, dense_weight, linear, pack_linear,
+                                     qdense_min_rows, unpack_q4_panels)
 from ctxwarden.layers.norm import rms_norm
 from ctxwarden.layers.quant import Q4, Q8, dequantize, from_gguf_blocks, quantize
 from ctxwarden.layers.rotary import apply_rotary
@@ -133,6 +135,26 @@ def test_int8_activation_rows_do_not_depend_on_their_batch(kind, k):
         for lo, hi in ((0, 130), (0, 1), (5, 7), (3, 10), (0, 16), (2, 19), (64, 130), (129, 130)):
             assert torch.equal(ext.quantized_linear_int8(x[lo:hi].contiguous(), q.codes, q.scale, q.zero, panels),
                                whole[lo:hi]), (lo, hi)
+
+
+@pytest.mark.skipif(ext is None or not ext.has_panels(), reason="panels need the AVX-512 VNNI build")
+def test_q4_panels_replace_the_row_major_codes():
+    """A q4 weight with int8 activations keeps one copy of its codes, in the panels: the
+    row-major codes unpack from them exactly, and every path gives the codes' numbers."""
+    q = replace(quantize(torch.randn(40, 96), Q4), int8_activations=True)  # 40 rows: a padded last panel
+    w = pack_linear(q)
+    assert w.quant.codes.numel() == 0 and w.quant.shape == (40, 96) and w.weight is w.panels
+    assert w.nbytes == w.panels.nbytes + q.scale.nbytes + q.zero.nbytes
+    assert torch.equal(unpack_q4_panels(w.panels, 40, 96), q.codes)
+    assert torch.equal(codes_of(w).codes, q.codes)
+    assert torch.equal(dense_weight(w), dequantize(q))
+    for rows in (1, 3, 17, 64):
+        x = torch.randn(rows, 96)
+        assert torch.equal(linear(x, w), ext.quantized_linear_int8(x, q.codes, q.scale, q.zero))
+    mode, tensors = decode_kernel(w)
+    assert mode == 6 and tensors[0] is w.panels
+    q8 = pack_linear(replace(quantize(torch.randn(40, 96), Q8), int8_activations=True))
+    assert q8.quant.codes.shape == (40, 96)  # q8 keeps its codes (a tied lm_head's embedding reads them)
 
 
 @pytest.mark.skipif(ext is None or not ext.has_panels(), reason="panels need the AVX-512 VNNI build")

@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ctxwarden.layers.linear import codes_of
 from ctxwarden.spec.checkpoint import default_model_path
 from ctxwarden.context.tokenizers import load_tokenizer
 from ctxwarden.runner import ForwardBatch, ModelRunner, RunnerConfig, SequenceInput
@@ -113,13 +114,16 @@ def test_auto_int8act_keeps_auto_codes_and_stays_near_auto(excerpt_ids):
     for name in ("qkv", "o", "gate_up", "down"):
         a, f = getattr(auto.model.layers[0], name), getattr(fast.model.layers[0], name)
         assert f.kind == a.kind == "q4" and f.quant.int8_activations and not a.quant.int8_activations
-        assert torch.equal(f.quant.codes, a.quant.codes)
+        assert torch.equal(codes_of(f).codes, a.quant.codes)
     assert fast.model.lm_head.kind == "q8" and fast.model.lm_head.quant.int8_activations
-    # the same codes, plus each q4 projection's panels where the kernels run from them
-    panels = sum(lw.panels.nbytes for layer in fast.model.layers
-                 for lw in (layer.qkv, layer.o, layer.gate_up, layer.down) if lw.panels is not None)
+    # the same codes; where the kernels run from panels, a q4 projection's panels replace its
+    # row-major codes, and the q8 lm_head keeps its codes beside its panels
+    projections = [lw for layer in fast.model.layers for lw in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    panels = sum(lw.panels.nbytes for lw in projections if lw.panels is not None)
+    dropped = sum(codes_of(lw).codes.nbytes for lw in projections if lw.panels is not None)
     head = fast.model.lm_head.panels
-    assert fast.model.weights_bytes == auto.model.weights_bytes + panels + (head.nbytes if head is not None else 0)
+    assert fast.model.weights_bytes == (auto.model.weights_bytes + panels - dropped
+                                        + (head.nbytes if head is not None else 0))
     if ext.has_panels():
         assert panels == sum(getattr(layer, n).quant.nbytes for layer in auto.model.layers
                              for n in ("qkv", "o", "gate_up", "down"))  # SmolLM2's N: multiples of 16

@@ -52,7 +52,8 @@ def measure(model: str | None, kv_memory: str, dtype: str) -> dict:
     ckpt = engine.checkpoint
     return {
         "model": ckpt.name, "format": ckpt.format, "dtype": dtype,
-        "weights_planned_bytes": ckpt.weights_bytes, "weights_loaded_bytes": _tensor_bytes(engine.runner.model, set()),
+        "weights_planned_bytes": engine.weights_plan[0], "weights_plan_source": engine.weights_plan[1],
+        "weights_loaded_bytes": _tensor_bytes(engine.runner.model, set()),
         "kv_planned_bytes": engine.num_blocks * engine.runner.layout.page_bytes,
         "kv_allocated_bytes": engine.runner.kv_cache.nbytes, "num_blocks": engine.num_blocks,
         "page_bytes": engine.runner.layout.page_bytes, "load_s": load_s, "ttft_s": out.time_to_first_token_s,

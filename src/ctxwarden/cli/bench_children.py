@@ -50,7 +50,19 @@ def run_ctxwarden(inputs: dict) -> dict:
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - start
     ttft = outs[0].time_to_first_token_s
-    return summary(wall, [list(o.token_ids) for o in outs], ttft, wall - ttft if len(outs) == 1 else None)
+    out = summary(wall, [list(o.token_ids) for o in outs], ttft, wall - ttft if len(outs) == 1 else None)
+    return out | memory_plan(llm.engine, [len(p) + n_new for p in prompts])
+
+
+def memory_plan(engine, sequence_tokens: list[int]) -> dict:
+    """The plan this run's peak RSS is held to (plan/capacity.py process_plan), MB."""
+    from ctxwarden.plan.capacity import process_plan
+
+    plan = process_plan(engine.spec, engine.runner.layout, weights_bytes=engine.weights_plan[0],
+                        sequence_tokens=sequence_tokens, max_batched_tokens=engine.config.max_batched_tokens)
+    mb = {k.replace("_bytes", "_mb"): v / 2**20 for k, v in plan.items()}
+    return {"plan": mb, "plan_mb": mb["total_mb"], "rss_over_plan": peak_rss_mb() / mb["total_mb"],
+            "weights_held_mb": engine.runner.model.weights_bytes / 2**20}
 
 
 def run_transformers(inputs: dict) -> dict:

@@ -139,8 +139,19 @@ def render_table(results: dict) -> str:
             cells = [stats(peers.get(p, []), metric) for p in PEERS]
             rows.append(f"| {label} | " + " | ".join(_cell(c) for c in cells) + " | "
                         + " | ".join(_ratio(cells[0], c) for c in cells[1:]) + " |")
-        rows.append("")
+        rows += ["", *_plan_line(by_w.get("W2", {}).get("ctxwarden", [])), ""]
     return "\n".join(rows) + "\n"
+
+
+def _plan_line(samples: list[dict]) -> list[str]:
+    """ctxwarden's W2 peak RSS against its memory plan (issue 11: <= the plan + 10%)."""
+    over = stats(samples, "rss_over_plan")
+    plan = next((s["plan"] for s in samples if "plan" in s), None)
+    if not over or "median" not in over or plan is None:
+        return []
+    return [f"ctxwarden W2 peak RSS / plan: {_cell(over)} (plan {plan['total_mb']:,.0f} MB = weights "
+            f"{plan['weights_mb']:,.0f} + KV {plan['kv_mb']:,.0f} + activation reserve with the runtime "
+            f"{plan['activation_reserve_mb']:,.0f}; plan/capacity.py process_plan)"]
 
 
 def _cell(c: dict | None) -> str:

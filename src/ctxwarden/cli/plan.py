@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+
+from ctxwarden.engine.config import WEIGHTS_MODES
 
 HELP = "Exact KV-cache and memory plan for a model and a budget."
 
@@ -14,6 +17,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=None,
                    help="tokens per sequence to plan for (default: the model's window)")
     p.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp16", "fp32", "fp8", "fp8_e4m3", "fp8_e5m2"])
+    p.add_argument("--weights", default=None, choices=[*WEIGHTS_MODES, "stored"],
+                   help="count the weights as this weights mode holds them on this machine's "
+                        "kernels (default: $CTXWARDEN_WEIGHTS, else auto, as serve does); "
+                        "stored: the bytes the checkpoint's headers give")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
+                   help="compute dtype the weights are loaded for (default fp32, as serve)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--memory", default="24GiB", help="total memory budget, e.g. 24GiB, 80GB")
     p.add_argument("--activation-reserve", default=None,
@@ -40,8 +49,15 @@ def run(args: argparse.Namespace) -> int:
     _validate(args)
     ckpt = resolve_checkpoint(args.model)
     reserve = parse_bytes(args.activation_reserve) if args.activation_reserve else None
+    weights = args.weights or os.environ.get("CTXWARDEN_WEIGHTS") or "auto"
+    caps = None
+    if weights != "stored" and ckpt.weights_bytes is not None:
+        from ctxwarden.layers.linear import kernel_caps  # imports torch and ext/: what the runner runs on
+
+        caps = kernel_caps()
     plan = plan_checkpoint(
-        ckpt, parse_bytes(args.memory), context_tokens=args.context, kv_dtype=args.kv_dtype,
+        ckpt, parse_bytes(args.memory), weights=None if weights == "stored" else weights,
+        dtype=args.dtype, caps=caps, context_tokens=args.context, kv_dtype=args.kv_dtype,
         block_size=args.block_size, activation_reserve_bytes=reserve,
         max_batched_tokens=args.max_batched_tokens, window_tokens=args.window,
         sink_tokens=args.sink_tokens,
@@ -93,7 +109,7 @@ def _render(plan, train, formula: str, plot_path: str | None) -> None:
                     f"block {plan.block_size}, context {plan.context_tokens:,}", show_header=False)
     rows = [
         ("memory budget", _gib(plan.memory_bytes)),
-        ("weights", f"{_gib(plan.weights_bytes)} ({plan.weights_source})"),
+        ("weights", f"{plan.weights_bytes / 1024**2:,.1f} MiB ({plan.weights_source})"),
         ("activation reserve", _gib(plan.activation_reserve_bytes)),
         ("KV budget", _gib(plan.kv_budget_bytes)),
         ("kv_bytes_per_token", f"{plan.kv_bytes_per_token:,} B"),

@@ -41,7 +41,7 @@ class ModelMeasurement:
     model: str
     format: str
     dtype: str
-    weights_planned_bytes: int | None  # what the planner counts: the checkpoint's stored bytes
+    weights_planned_bytes: int | None  # what the planner counts (the runtime layout where modeled)
     weights_loaded_bytes: int  # tensors the runner holds
     kv_planned_bytes: int
     kv_allocated_bytes: int
@@ -58,6 +58,7 @@ class ModelMeasurement:
     rss_file_baseline_bytes: int
     rss_after_request_bytes: int
     peak_rss_bytes: int
+    weights_plan_source: str = ""  # plan/checkpoint_plan.py planned_weights' source
 
 
 @dataclass(frozen=True)
@@ -238,13 +239,13 @@ def _weights(m: ModelMeasurement) -> Finding:
         return Finding("info", "weights were not planned from headers", f"loaded {m.weights_loaded_bytes / MiB:,.1f} MiB",
                        "plan with the checkpoint's weight files present")
     ratio = m.weights_loaded_bytes / m.weights_planned_bytes
-    evidence = (f"{m.format} stores {m.weights_planned_bytes / MiB:,.1f} MiB; the runner holds "
-                f"{m.weights_loaded_bytes / MiB:,.1f} MiB in {m.dtype} ({ratio:.2f}x)")
+    evidence = (f"the plan counts {m.weights_planned_bytes / MiB:,.1f} MiB ({m.weights_plan_source or m.format}); "
+                f"the runner holds {m.weights_loaded_bytes / MiB:,.1f} MiB in {m.dtype} ({ratio:.2f}x)")
     if ratio <= 1.02:
         return Finding("ok", "weights: planned == loaded", evidence, "nothing to do")
     return Finding("warning", "weights take more memory than the plan counts", evidence,
-                   f"budget {m.weights_loaded_bytes / MiB:,.0f} MiB for weights (`ctxwarden plan` counts the "
-                   "stored bytes; the runner dequantizes / upcasts and keeps packed copies)")
+                   f"budget {m.weights_loaded_bytes / MiB:,.0f} MiB for weights (the plan counts the stored "
+                   "bytes where plan/weights.py does not model the family's runtime layout; report the gap)")
 
 
 def _unexplained(m: ModelMeasurement) -> Finding:

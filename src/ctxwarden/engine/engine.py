@@ -18,6 +18,7 @@ does not drift with the mix of step sizes seen, issue 17).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -34,6 +35,7 @@ from ctxwarden.engine.tiers import TierMover, calibrate_prefill, open_tiers, tie
 from ctxwarden.errors import NoTokenizer
 from ctxwarden.kv import AuditReport, KVCacheManager, KVStats
 from ctxwarden.plan import kv_bytes_per_token, plan_memory
+from ctxwarden.plan.checkpoint_plan import planned_weights
 from ctxwarden.plan.params import count_parameters
 from ctxwarden.request import FinishReason, Request, StepOutput, TenantShare
 from ctxwarden.runner.attention_monitor import MAX_FINISHED_RECORDS, attach_monitor, is_sampled
@@ -304,6 +306,15 @@ class Engine:
             leaked_blocks=_leaked_blocks(audit), audit_findings=tuple(audit.findings) if audit else (),
             tiers=sched.tiers, num_heap_trims=self.heap.num_trims,
             heap_released_bytes=self.heap.released_bytes)
+
+    @functools.cached_property
+    def weights_plan(self) -> tuple[int, str]:
+        """(bytes, source): the planner's count of this engine's weights in the runtime layout
+        of its weights mode (plan/weights.py), against which `runner.model.weights_bytes` is
+        what it holds. Read from the checkpoint's headers once, on first use."""
+        from ctxwarden.layers.linear import kernel_caps
+
+        return planned_weights(self.checkpoint, self.config.weights, self.config.dtype, kernel_caps())
 
     def kv_holders(self) -> KVHolders:
         """Who holds KV blocks now (ctxwarden.engine.holders); between steps only."""

@@ -1468,6 +1468,10 @@ at::Tensor q4_panel_linear(const at::Tensor& x, int64_t n, int64_t k, const at::
 at::Tensor quantized_linear_int8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                  const c10::optional<at::Tensor>& zero, const c10::optional<at::Tensor>& panels) {
   const bool q4 = zero.has_value();
+  // a q4 weight with panels may come without its row-major codes (layers/linear.py drops
+  // them: the panels hold the same bytes); N and K then come from its scales [N, K / 32]
+  if (q4 && panels.has_value() && panels->numel() && scale.dim() == 2)
+    return q4_panel_linear(x, scale.size(0), scale.size(1) * kGroup, *panels);  // any row count
   const int64_t n = codes.size(0), k = q4 ? codes.size(1) * 2 : codes.size(1), m = x.size(0);
   check_linear_args(x, scale, k);
   TORCH_CHECK(codes.is_contiguous() && codes.dtype() == (q4 ? at::kByte : at::kChar),
@@ -1475,7 +1479,6 @@ at::Tensor quantized_linear_int8(const at::Tensor& x, const at::Tensor& codes, c
 #if CW_SIMD
   at::Tensor y = at::empty({m, n}, x.options());
   Int8Rows xa;
-  if (q4 && panels.has_value() && panels->numel()) return q4_panel_linear(x, n, k, *panels);  // any row count
 #if CW_Q4_PANELS
   if (!q4 && panels.has_value() && panels->numel()) {
     check_panels(*panels, n, k, false);
@@ -2257,7 +2260,7 @@ at::Tensor run_linear(const at::Tensor& x, int64_t mode, const at::Tensor* t) {
     case 3: return quantized_linear_int8(x, t[0], t[1], t[2], c10::nullopt);
     case 4: return quantized_linear_int8(x, t[0], t[1], c10::nullopt, c10::nullopt);
     case 5: return dense_linear(x, t[0]);
-    case 6: return q4_panel_linear(x, t[0].size(0), t[0].size(1) * 2, t[2]);
+    case 6: return q4_panel_linear(x, t[1].size(0), t[1].size(1) * kGroup, t[0]);
   }
   TORCH_CHECK(false, "unknown projection mode ", mode);
 }
@@ -2272,15 +2275,15 @@ struct Projection {
 Projection projection_of(int64_t mode, const at::Tensor* t) {
   TORCH_CHECK(mode >= 0 && mode <= 6, "unknown projection mode ", mode);
   TORCH_CHECK(t[0].is_contiguous() && t[0].dim() == 2, "a projection's weight must be contiguous [N, K]");
-  if (mode == 6) {  // q4 with int8 activations from panels: [codes (for N, K), scales, panels]
-    TORCH_CHECK(t[0].dtype() == at::kByte, "q4 codes must be uint8");
-    const int64_t n = t[0].size(0), k = t[0].size(1) * 2;
+  if (mode == 6) {  // q4 with int8 activations from panels: [panels, scales (for N, K), -]
+    TORCH_CHECK(t[1].dim() == 2, "mode 6 needs the weight's scales [N, K / 32] for its shape");
+    const int64_t n = t[1].size(0), k = t[1].size(1) * kGroup;
 #if CW_Q4_PANELS
-    check_panels(t[2], n, k);
+    check_panels(t[0], n, k);
 #else
     TORCH_CHECK(false, "mode 6 (q4 panels) needs the AVX-512 VNNI build of the kernels");
 #endif
-    return {mode, n, k, t[2].data_ptr(), nullptr, nullptr};
+    return {mode, n, k, t[0].data_ptr(), nullptr, nullptr};
   }
   if (mode == 0 || mode == 5) {
     TORCH_CHECK(t[0].dtype() == (mode == 0 ? at::kFloat : at::kBFloat16),

@@ -50,14 +50,15 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 
 from ctxwarden.ext import has_vector_kernels, kernels
-from ctxwarden.layers.quant import Q4, QuantizedWeight, dequantize, quantize
+from ctxwarden.layers.quant import GROUP, Q4, QuantizedWeight, dequantize, quantize
+from ctxwarden.plan.weights import KernelCaps
 
 # Rows at which a quantized weight is dequantized for one dense GEMM instead of being
 # multiplied by the dequantizing kernel; a plain fp32 weight takes ext's dense_linear up
@@ -69,7 +70,7 @@ DENSE_MIN_ROWS = 48
 class LinearWeight:
     """One projection's weight [out_features, in_features] in its runtime layout."""
 
-    weight: torch.Tensor  # dense (plain or reordered) or the quantized codes
+    weight: torch.Tensor  # dense (plain or reordered), the quantized codes, or a q4 weight's panels
     is_packed: bool  # reordered for oneDNN
     out_features: int
     in_features: int
@@ -77,7 +78,9 @@ class LinearWeight:
     dense_dtype: torch.dtype = torch.float32  # dtype a quantized weight is expanded to
     dense_kernel: bool = False  # plain fp32 / bf16, fp32 compute: ext's dense_linear at few rows
     # a weight with int8 activations packed for ext's panel tiles (int8_panels) where the
-    # kernels have them (AVX-512 VNNI): it then runs from these at every row count
+    # kernels have them (AVX-512 VNNI): it then runs from these at every row count. A q4
+    # weight's panels replace its row-major codes (`quant.codes` is empty; `codes_of`
+    # unpacks them for the rare reader); a q8 one keeps its codes for the embedding lookup
     panels: torch.Tensor | None = None
 
     @property
@@ -127,8 +130,12 @@ def pack_linear(weight: torch.Tensor | QuantizedWeight, enabled: bool = True,
         if has_vector_kernels():
             if not weight.int8_activations:
                 qdense_min_rows()  # times the two q4/q8 paths once per process, sets the faster
+            panels = int8_panels(weight)
+            if panels is not None and weight.kind == Q4:  # the same bytes: keep one copy
+                weight = replace(weight, codes=weight.codes.new_empty((0, in_features // 2)))
+                return LinearWeight(panels, False, out_features, in_features, weight, dense_dtype, panels=panels)
             return LinearWeight(weight.codes, False, out_features, in_features, weight, dense_dtype,
-                                panels=int8_panels(weight))
+                                panels=panels)
         weight = dequantize(weight)
     out_features, in_features = weight.shape
     if enabled and can_pack(weight, dense_dtype):
@@ -315,13 +322,21 @@ def decode_kernel(w: LinearWeight) -> tuple[int, list[torch.Tensor]] | None:
     3 / 4 quantized_linear_int8 on q4 / q8 codes, 6 on a q4 weight's panels."""
     q, empty = w.quant, torch.empty(0)
     if w.panels is not None and q.kind == Q4:  # q8's panel tile is not in the stack: mode 4
-        return 6, [q.codes, q.scale, w.panels]
+        return 6, [w.panels, q.scale, empty]
     if q is not None:
         mode = (3 if q.kind == Q4 else 4) if q.int8_activations else (1 if q.kind == Q4 else 2)
         return mode, [q.codes, q.scale, q.zero if q.zero is not None else empty]
     if w.dense_kernel:
         return (0 if w.weight.dtype == torch.float32 else 5), [w.weight, empty, empty]
     return None
+
+
+def kernel_caps() -> KernelCaps:
+    """What pack_linear does on this machine, for the planner's runtime layout (plan/weights.py)."""
+    ext = kernels()
+    onednn_bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return KernelCaps(vector=has_vector_kernels(), panels=bool(ext is not None and ext.has_panels()),
+                      onednn_bf16=bool(onednn_bf16))
 
 
 def int8_panels(q: QuantizedWeight) -> torch.Tensor | None:
@@ -336,11 +351,32 @@ def int8_panels(q: QuantizedWeight) -> torch.Tensor | None:
     return ext.q4_panels(q.codes, q.scale, q.zero) if q.kind == Q4 else ext.q8_panels(q.codes, q.scale)
 
 
+def unpack_q4_panels(panels: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The row-major q4 codes uint8 [n, k / 2] that `panels` (ext's q4_panels) hold.
+
+    A panel of 16 weight rows holds, per group of 32, 4 blocks of 64 bytes (block j: bytes
+    4j..4j+3 of each of the 16 rows' group, row c at 4c) and then the 16 rows' fp16 scales
+    and zero points (kernels.cpp, pack_q4_panels_range).
+    """
+    groups = k // GROUP
+    blocks = panels.view(panels.shape[0], groups, -1)[:, :, :4 * 64]
+    codes = blocks.reshape(-1, groups, 4, 16, 4).permute(0, 3, 1, 2, 4)  # [panel, row, group, j, byte]
+    return codes.reshape(-1, k // 2)[:n].contiguous()
+
+
+def codes_of(w: LinearWeight) -> QuantizedWeight:
+    """`w.quant` with its row-major codes (unpacked from the panels where they were dropped)."""
+    q = w.quant
+    if q.has_codes:
+        return q
+    return replace(q, codes=unpack_q4_panels(w.panels, w.out_features, w.in_features))
+
+
 def dense_weight(w: LinearWeight) -> torch.Tensor:
     """The weight as a dense [out, in] tensor (a temporary for quantized layouts)."""
     if w.quant is None:
         return w.weight
-    q = w.quant
+    q = codes_of(w)
     if q.kind == Q4 and kernels() is not None and w.dense_dtype in (torch.float32, torch.bfloat16):
         return kernels().q4_dequantize(q.codes, q.scale, q.zero, w.dense_dtype == torch.bfloat16)
     return dequantize(q).to(w.dense_dtype)

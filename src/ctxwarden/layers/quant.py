@@ -37,7 +37,14 @@ class QuantizedWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return (self.codes.shape[0], self.scale.shape[1] * GROUP)
+        # from the scales [N, K / 32]: a q4 weight packed into panels keeps no row-major
+        # codes (layers/linear.py pack_linear), its scales and zero points stay
+        return (self.scale.shape[0], self.scale.shape[1] * GROUP)
+
+    @property
+    def has_codes(self) -> bool:
+        """False where the row-major codes were dropped for panels (`codes` is then empty)."""
+        return self.codes.numel() > 0 or self.scale.numel() == 0
 
     @property
     def nbytes(self) -> int:

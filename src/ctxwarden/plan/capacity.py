@@ -48,7 +48,9 @@ class MemoryPlan:
     model_window_tokens: int
     memory_bytes: int
     weights_bytes: int
-    weights_source: str  # "safetensors header" | "gguf header" | "estimated from config"
+    # "<mode> layout on these kernels; ..." (plan/weights.py) | "safetensors header" |
+    # "gguf header" | "estimated from config"
+    weights_source: str
     activation_reserve_bytes: int
     kv_budget_bytes: int
     kv_bytes_per_token: int
@@ -137,6 +139,20 @@ def default_activation_reserve(spec: ModelSpec, max_batched_tokens: int) -> int:
     return mlp + hidden + logits + 256 * 1024**2
 
 
+def process_plan(spec: ModelSpec, layout: KVLayout, *, weights_bytes: int, sequence_tokens: list[int],
+                 max_batched_tokens: int) -> dict[str, int]:
+    """What one serving process should hold at its peak while `sequence_tokens` (each
+    sequence's prompt + output tokens) run at once: the weights (their runtime layout, see
+    plan/weights.py), the KV blocks admission reserves for those sequences (the pool's pages
+    are mapped as they are first written, so the rest of the pool is not resident), and the
+    activation reserve, whose fixed part covers the Python runtime. `ctxwarden bench` holds
+    each W2 child's peak RSS to this (issue 11: peak RSS <= the plan + 10%)."""
+    kv = sum(blocks_needed(n, layout, max_batched_tokens) for n in sequence_tokens) * layout.page_bytes
+    reserve = default_activation_reserve(spec, max_batched_tokens)
+    return {"weights_bytes": weights_bytes, "kv_bytes": kv, "activation_reserve_bytes": reserve,
+            "total_bytes": weights_bytes + kv + reserve}
+
+
 def weights_bytes_estimate(spec: ModelSpec) -> int:
     """Parameter bytes from the architecture alone, at the config's dtype.
 
@@ -153,5 +169,5 @@ def kv_bytes_at(spec: ModelSpec, layout: KVLayout, context: int) -> dict[str, in
             k.kv_bytes_per_sequence for k in _layer_kind_plans(layout, context)}
 
 
-__all__ = ["MemoryPlan", "LayerKindPlan", "plan_memory", "default_activation_reserve",
+__all__ = ["MemoryPlan", "LayerKindPlan", "plan_memory", "default_activation_reserve", "process_plan",
            "weights_bytes_estimate", "kv_bytes_at", "cdiv"]

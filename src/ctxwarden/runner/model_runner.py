@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ctxwarden.diagnostics.leaks import malloc_trim
 from ctxwarden.spec.checkpoint import Checkpoint, resolve_checkpoint
 from ctxwarden.plan.kv import KVLayout, kv_layout
 from ctxwarden.runner.attention import AttentionBackend, TorchPagedAttention
@@ -168,6 +169,10 @@ class ModelRunner:
         self.prompt_attention = resolve_prompt_attention(config, self.spec)
         self.backend: AttentionBackend = _BACKENDS[config.attention_backend](
             prompt_bf16=self.prompt_attention == "bf16")
+        # the load's temporaries (GGUF blocks copied out, stacked parts, panels' sources, the
+        # kernel timings) are freed by now, but tune_malloc's trim threshold keeps them in the
+        # heap: hand them back, so RSS after load is the weights and the runtime (plan/weights.py)
+        malloc_trim()
 
     @property
     def prompt_rows_apart(self) -> bool:

@@ -55,7 +55,7 @@ def memory_view(engine, stats, book: "OwnerBook") -> MemoryView:
     """The pool (from `stats`, the EngineStats just published) and its owners, now."""
     holders = engine.kv_holders()
     kv = kv_memory_from_stats(stats.kv, engine.runner.layout.page_bytes, holders.host_swap_bytes,
-                              weights_planned_bytes=getattr(engine.checkpoint, "weights_bytes", None))
+                              weights_planned_bytes=engine.weights_plan[0])
     return MemoryView(time.time(), kv, book.owners(holders))
 
 

@@ -2558,8 +2558,11 @@ void decode_layer(at::Tensor& x, const std::vector<at::Tensor>& norms, double ep
                   double scale, double softcap) {
   TORCH_CHECK(norms.size() == 2 && weights.size() == 12 && modes.size() == 4,
               "decode_layer takes 2 norms, 12 weight tensors and 4 modes");
-  TORCH_CHECK(modes[2] >= 0 && modes[2] <= 6 && weights[6].dim() == 2, "gate_up must be a [2I, K] weight");
-  const StackShape sh = stack_shape(x.size(1), weights[6].size(0) / 2, hq, hkv, d, eps, offset, k_pool);
+  TORCH_CHECK(modes[2] >= 0 && modes[2] <= 6 && weights[6].dim() == 2 && (modes[2] != 6 || weights[7].dim() == 2),
+              "gate_up must be a [2I, K] weight");
+  // mode 6: [panels, scales [2I, K / 32], -] (the panels' rows are 2I / 16)
+  const int64_t gate_up_rows = (modes[2] == 6 ? weights[7] : weights[6]).size(0);
+  const StackShape sh = stack_shape(x.size(1), gate_up_rows / 2, hq, hkv, d, eps, offset, k_pool);
   const LayerParts l = layer_parts(sh, norms.data(), weights.data(), modes.data(), k_pool, v_pool);
   run_layers(sh, &l, 1, x, cos, sin, slot_mapping, key_slots, num_keys, num_sink, scale, softcap);
 }

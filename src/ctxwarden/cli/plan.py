@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
-from ctxwarden.engine.config import WEIGHTS_MODES
+from ctxwarden.engine.config import WEIGHTS_MODES, resolve_weights_mode
 
 HELP = "Exact KV-cache and memory plan for a model and a budget."
 
@@ -49,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     _validate(args)
     ckpt = resolve_checkpoint(args.model)
     reserve = parse_bytes(args.activation_reserve) if args.activation_reserve else None
-    weights = args.weights or os.environ.get("CTXWARDEN_WEIGHTS") or "auto"
+    weights = resolve_weights_mode(args.weights)
     caps = None
     if weights != "stored" and ckpt.weights_bytes is not None:
         from ctxwarden.layers.linear import kernel_caps  # imports torch and ext/: what the runner runs on

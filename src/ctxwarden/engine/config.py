@@ -30,6 +30,12 @@ WEIGHTS_MODES = ("auto", "fp32", "bf16", "int8", "int4", "auto-int8act")
 PROMPT_ATTENTION_MODES = ("auto", "bf16", "fp32")  # runner.model_runner.resolve_prompt_attention
 
 
+def resolve_weights_mode(weights: str | None) -> str:
+    """The weights mode asked for, else $CTXWARDEN_WEIGHTS, else auto (what serve and the
+    planner both take; validated by EngineConfig)."""
+    return weights or os.environ.get("CTXWARDEN_WEIGHTS") or "auto"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How to run one model. `kv_memory_bytes` is the KV pool alone (weights not counted).
@@ -71,7 +77,7 @@ class EngineConfig:
         kv = self.dtype if self.kv_dtype is None else self.kv_dtype
         object.__setattr__(self, "kv_dtype", canonical_dtype(kv, RUNNER_KV_DTYPES, "kv_dtype"))
         # the variable lets a whole test run (or a deployment) pick the mode without code
-        weights = self.weights or os.environ.get("CTXWARDEN_WEIGHTS") or "auto"
+        weights = resolve_weights_mode(self.weights)
         if weights not in WEIGHTS_MODES:
             raise ValueError(f"weights must be one of {', '.join(WEIGHTS_MODES)}, got {weights!r}")
         object.__setattr__(self, "weights", weights)

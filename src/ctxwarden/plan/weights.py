@@ -105,7 +105,7 @@ def runtime_weights_bytes(tensors: list[StoredTensor], *, model_type: str, tied:
     for t in tensors:
         if t.role == "other":
             total += t.numel * act
-        elif t.role not in ("embed", "lm_head"):
+        elif t.role not in ("embed", "lm_head", "unused"):  # unused: rope_freqs and the like
             layers.setdefault(t.layer, {})[t.role] = t
     for parts in layers.values():
         for stack in _STACKS:

@@ -33,3 +33,25 @@ def test_allocated_kv_bytes_equal_the_plan(tiny_model, arch, kv_dtype, block_siz
     assert len(tensors) == 2 * runner.layout.layers_per_group
     assert all(t.shape == (plan.num_blocks, block_size, ckpt.spec.num_kv_heads, ckpt.spec.head_dim)
                for t in tensors)
+
+
+def test_the_pool_is_resident_only_where_blocks_were_written(tiny_model):
+    """RSS tracks use: after a prompt, each pool tensor holds in memory the pages its written
+    blocks span and nothing else (pages are 4 KiB: the pool must not take huge pages, which
+    made 2 MiB resident per tensor on first write, nor be cleared at allocation)."""
+    import mmap
+
+    from ctxwarden.runner import ForwardBatch, SequenceInput
+
+    ckpt = resolve_checkpoint(tiny_model("llama"))
+    runner = ModelRunner(ckpt, RunnerConfig(num_blocks=8192, block_size=16, kv_dtype="fp32"))
+    pool = runner.kv_cache
+    tensors = pool.keys + pool.values
+    assert min(t.nbytes for t in tensors) >= 8 * MiB  # where numpy's zeros asked for huge pages
+    assert pool.resident_bytes() == 0
+    prompt = list(range(5, 5 + 300))
+    blocks = tuple(range(-(-len(prompt) // 16)))
+    runner.forward(ForwardBatch((SequenceInput.chunk(prompt, 0, (blocks,)),)))
+    block_bytes = tensors[0][0].nbytes
+    per_tensor = -(-len(blocks) * block_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
+    assert per_tensor * len(tensors) <= pool.resident_bytes() <= (per_tensor + mmap.PAGESIZE) * len(tensors)

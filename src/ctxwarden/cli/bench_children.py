@@ -61,8 +61,10 @@ def memory_plan(engine, sequence_tokens: list[int]) -> dict:
     plan = process_plan(engine.spec, engine.runner.layout, weights_bytes=engine.weights_plan[0],
                         sequence_tokens=sequence_tokens, max_batched_tokens=engine.config.max_batched_tokens)
     mb = {k.replace("_bytes", "_mb"): v / 2**20 for k, v in plan.items()}
+    resident = engine.runner.kv_cache.resident_bytes()  # the pool's pages written so far
     return {"plan": mb, "plan_mb": mb["total_mb"], "rss_over_plan": peak_rss_mb() / mb["total_mb"],
-            "weights_held_mb": engine.runner.model.weights_bytes / 2**20}
+            "weights_held_mb": engine.runner.model.weights_bytes / 2**20,
+            "kv_resident_mb": None if resident is None else resident / 2**20}
 
 
 def run_transformers(inputs: dict) -> dict:

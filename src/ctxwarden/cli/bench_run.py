@@ -145,13 +145,14 @@ def render_table(results: dict) -> str:
 
 def _plan_line(samples: list[dict]) -> list[str]:
     """ctxwarden's W2 peak RSS against its memory plan (issue 11: <= the plan + 10%)."""
-    over = stats(samples, "rss_over_plan")
+    over, resident = stats(samples, "rss_over_plan"), stats(samples, "kv_resident_mb")
     plan = next((s["plan"] for s in samples if "plan" in s), None)
     if not over or "median" not in over or plan is None:
         return []
     return [f"ctxwarden W2 peak RSS / plan: {_cell(over)} (plan {plan['total_mb']:,.0f} MB = weights "
             f"{plan['weights_mb']:,.0f} + KV {plan['kv_mb']:,.0f} + activation reserve with the runtime "
-            f"{plan['activation_reserve_mb']:,.0f}; plan/capacity.py process_plan)"]
+            f"{plan['activation_reserve_mb']:,.0f}; plan/capacity.py process_plan)"
+            + (f"; KV pages resident after the run {_cell(resident)} MB" if resident and "median" in resident else "")]
 
 
 def _cell(c: dict | None) -> str:

@@ -16,8 +16,9 @@ import torch.nn.functional as F
 
 from ctxwarden.diagnostics.environment import read_cpu
 from ctxwarden.ext import has_vector_kernels, kernels
-from ctxwarden.layers.linear import (QDENSE_NEVER, codes_of, decode_kernel, dense_weight, linear, pack_linear,
-                                     qdense_min_rows, unpack_q4_panels)
+from ctxwarden.layers import linear as linear_module
+from ctxwarden.layers.linear import (QDENSE_NEVER, codes_of, decode_kernel, dense_one_stream, dense_weight, linear,
+                                     pack_linear, qdense_min_rows, unpack_q4_panels)
 from ctxwarden.layers.norm import rms_norm
 from ctxwarden.layers.quant import Q4, Q8, dequantize, from_gguf_blocks, quantize
 from ctxwarden.layers.rotary import apply_rotary
@@ -518,3 +519,49 @@ def test_load_module_refuses_to_time_the_loaded_build_in_place_of_another(tmp_pa
     with pytest.raises(RuntimeError, match="already loaded"):
         load_module(copy)
     assert load_module(Path(ext.__file__)) is ext
+
+
+@pytest.mark.skipif(not has_vector_kernels(), reason="the scalar build has one dense order")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_linear_gives_the_same_bits_one_row_at_a_time_or_side_by_side(dtype):
+    """dense_one_stream picks between reading a weight one row at a time and several rows
+    side by side by speed alone: sound only while both give every output the same bits,
+    and the same bits as that row inside a batch (a row's result never depends on its
+    batch)."""
+    torch.manual_seed(5)
+    w = (torch.randn(203, 576) * 0.05).to(dtype)  # 203: a tail past any tile width
+    x = torch.randn(9, 576)
+    before = ext.set_dense_one_stream(True)
+    try:
+        one = [ext.dense_linear(x[i:i + 1].contiguous(), w) for i in range(len(x))]
+        ext.set_dense_one_stream(False)
+        side = [ext.dense_linear(x[i:i + 1].contiguous(), w) for i in range(len(x))]
+        batch = ext.dense_linear(x, w)
+    finally:
+        ext.set_dense_one_stream(before)
+    for i in range(len(x)):
+        assert torch.equal(one[i], side[i]), i
+        assert torch.equal(one[i][0], batch[i]), i
+
+
+def test_dense_order_is_timed_once_and_set_in_the_ext(monkeypatch):
+    monkeypatch.setattr(linear_module, "_dense_choice", [])
+    one_stream, speed = dense_one_stream()
+    if not has_vector_kernels():
+        assert (one_stream, speed) == (False, None)
+        return
+    assert 0.2 < speed < 5, speed  # a timing, not a constant
+    assert one_stream == (speed > 1)
+    assert ext.set_dense_one_stream(one_stream) == one_stream  # the kernels run with what was chosen
+    assert dense_one_stream(torch.bfloat16) == (one_stream, speed)  # once per process, whatever the dtype
+    monkeypatch.setattr(linear_module, "_dense_choice", [])
+    monkeypatch.setenv("CTXWARDEN_DENSE_ONE_STREAM", "yes")
+    try:
+        with pytest.raises(ValueError, match="CTXWARDEN_DENSE_ONE_STREAM must be 1"):
+            dense_one_stream()
+        monkeypatch.setattr(linear_module, "_dense_choice", [])
+        monkeypatch.setenv("CTXWARDEN_DENSE_ONE_STREAM", "0")
+        assert dense_one_stream() == (False, None)
+        assert ext.set_dense_one_stream(one_stream) is False
+    finally:
+        ext.set_dense_one_stream(one_stream)

@@ -142,6 +142,7 @@ def pack_linear(weight: torch.Tensor | QuantizedWeight, enabled: bool = True,
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
         return LinearWeight(packed, True, out_features, in_features)
     if _has_dense_kernel(weight) and (weight.dtype == torch.float32 or dense_dtype == torch.float32):
+        dense_one_stream(weight.dtype)  # times dense_linear's two one-row orders once per process
         return LinearWeight(weight.contiguous(), False, out_features, in_features, dense_kernel=True)
     return LinearWeight(weight, False, out_features, in_features)
 
@@ -274,6 +275,60 @@ def qdense_min_rows() -> tuple[int, dict[int, float] | None]:
     rows = next((m for m in _QDENSE_TRIAL_ROWS if speed[m] > 1), QDENSE_NEVER)
     ext.set_qdense_min_rows(rows)
     return rows, speed
+
+
+DENSE_PROBE_BYTES = 64 << 20  # past a 2-vCPU slice's L3 share: the probe streams from memory
+
+
+_dense_choice: list[tuple[bool, float | None]] = []  # dense_one_stream's answer, once per process
+
+
+def dense_one_stream(dtype: torch.dtype = torch.float32) -> tuple[bool, float | None]:
+    """(one_stream, one stream's speed over N1 rows as measured) for ext's dense_linear at
+    one row of x (a batch-1 decode step's fp32 / bf16 projections), set in the ext.
+
+    A weight can be read one row at a time (one sequential stream) or N1 rows side by side
+    (N1 streams). Both give each output the same bits, so this is speed only, and the
+    winner depends on the CPU's prefetchers: on a Zen 4 EPYC one stream took SmolLM2's fp32
+    batch-1 step from 21.8 to 19.7 ms and its bf16 one from 14.5 to 10.6 (kernels.cpp). So
+    it is timed here, once per process, at the first plain weight's load (~0.1 s):
+    dense_linear on a 64 MiB weight of `dtype` (larger than the last-level cache a 2-vCPU
+    share sees, so it streams from memory as a model's weights do), both ways interleaved,
+    medians of 9 rounds after a warm-up; one stream is taken when its median is faster.
+    $CTXWARDEN_DENSE_ONE_STREAM (1 / 0) decides without timing. (False, None) when the ext
+    has no vector path. The first call decides (the flag is one per process, whatever the
+    weight's dtype).
+    """
+    if not _dense_choice:
+        _dense_choice.append(_time_dense_one_stream(dtype))
+    return _dense_choice[0]
+
+
+def _time_dense_one_stream(dtype: torch.dtype) -> tuple[bool, float | None]:
+    ext = kernels()
+    if ext is None or not has_vector_kernels() or not hasattr(ext, "set_dense_one_stream"):
+        return False, None
+    forced = os.environ.get("CTXWARDEN_DENSE_ONE_STREAM", "").strip()
+    if forced:
+        if forced not in ("0", "1"):
+            raise ValueError(f"CTXWARDEN_DENSE_ONE_STREAM must be 1 (one row at a time) or 0 (several rows "
+                             f"side by side), got {forced!r}; unset it to let ctxwarden time both on this CPU")
+        ext.set_dense_one_stream(forced == "1")
+        return forced == "1", None
+    k = 576
+    w = torch.empty(DENSE_PROBE_BYTES // (k * torch.empty((), dtype=dtype).element_size()), k, dtype=dtype)
+    w.fill_(0.01)
+    x = torch.full((1, k), 0.5)
+    times = {False: [], True: []}
+    for i in range(10):  # the first round warms up and is dropped
+        for mode in ((False, True) if i % 2 == 0 else (True, False)):
+            ext.set_dense_one_stream(mode)
+            start = time.perf_counter()
+            ext.dense_linear(x, w)
+            times[mode].append(time.perf_counter() - start)
+    ratio = statistics.median(times[False][1:]) / statistics.median(times[True][1:])
+    ext.set_dense_one_stream(ratio > 1)
+    return ratio > 1, ratio
 
 
 # oneDNN caches one primitive (with its scratch memory) per distinct input shape, up to

@@ -76,3 +76,23 @@ def test_the_memory_plan_takes_the_runtime_bytes_from_its_budget():
     held = plan_checkpoint(ckpt, 2 * 1024**3, weights="auto-int8act", caps=kernel_caps(), context_tokens=8192)
     assert stored.weights_bytes == ckpt.weights_bytes and stored.weights_source == "gguf header"
     assert held.kv_budget_bytes == stored.kv_budget_bytes - (held.weights_bytes - stored.weights_bytes)
+
+
+@pytest.mark.parametrize("mode", WEIGHTS_MODES)
+def test_a_tensor_the_loader_never_reads_adds_nothing(mode):
+    """A llama3 GGUF stores `rope_freqs.weight` (1-D, the rope scaling factors; the loader
+    computes its own). It is not a projection: planning it as one raised. With it the plan
+    must count what it counts without it, in every weights mode."""
+    from ctxwarden.plan.weights import StoredTensor, gguf_tensors, role_of, runtime_weights_bytes
+    from ctxwarden.spec.gguf_header import read_gguf_header
+
+    ckpt = resolve_checkpoint(None)
+    tensors = gguf_tensors(read_gguf_header(ckpt.weight_files[0]))
+    assert role_of("rope_freqs.weight") == ("unused", None)
+    extra = StoredTensor(*role_of("rope_freqs.weight"), (ckpt.spec.head_dim // 2,), "F32")
+
+    def plan(ts):
+        return runtime_weights_bytes(ts, model_type=ckpt.spec.model_type, tied=ckpt.spec.tie_word_embeddings,
+                                     mode=mode, dtype="float32", caps=kernel_caps())
+
+    assert plan(tensors + [extra]) == plan(tensors) > 0

@@ -34,6 +34,15 @@ TRIM_THRESHOLD = 512 << 20
 
 
 @lru_cache(maxsize=1)
+def libc() -> ctypes.CDLL | None:
+    """This process's C library through ctypes (errno kept), or None where it cannot be loaded."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
+@lru_cache(maxsize=1)
 def tune_malloc() -> dict[str, int] | None:
     """Set glibc's mmap and trim thresholds (once); the settings made, or None when left
     alone (CTXWARDEN_MALLOC=default, not glibc, or glibc refused them)."""
@@ -43,11 +52,11 @@ def tune_malloc() -> dict[str, int] | None:
     if choice not in ("", "tuned"):
         raise ValueError(f"CTXWARDEN_MALLOC must be 'tuned' (the default) or 'default' (glibc's own "
                          f"thresholds), got {choice!r}")
+    lib = libc()
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-        libc.gnu_get_libc_version  # glibc only: musl has mallopt as a no-op stub
-    except (OSError, AttributeError):
+        mallopt = lib.mallopt
+        lib.gnu_get_libc_version  # glibc only: musl has mallopt as a no-op stub
+    except AttributeError:  # also where there is no C library to load (lib is None)
         return None
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     done = {}

@@ -19,18 +19,17 @@ model keeps the latent part of the output).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import math
 import mmap
 import sys
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Sequence
 
 import numpy as np
 import torch
 
 from ctxwarden.plan.kv import KVLayout, kv_row_bytes
+from ctxwarden.runner.host_malloc import libc
 from ctxwarden.runner.kv_quant import FP8_TORCH_DTYPES, quantize_rows
 from ctxwarden.spec.dtypes import DTYPES, canonical_dtype
 
@@ -75,8 +74,8 @@ def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Ten
 def _resident_bytes(t: torch.Tensor) -> int | None:
     """Bytes of the pages spanning CPU tensor `t` that are resident (mincore(2)); None where
     mincore is not there (not Linux) or `t` is on a device."""
-    libc = _libc()
-    if t.device.type != "cpu" or libc is None:
+    lib = libc() if sys.platform.startswith("linux") else None
+    if t.device.type != "cpu" or lib is None:
         return None
     if t.nbytes == 0:
         return 0
@@ -84,19 +83,9 @@ def _resident_bytes(t: torch.Tensor) -> int | None:
     start = t.data_ptr() // page * page
     count = -(-(t.data_ptr() + t.nbytes - start) // page)
     vec = (ctypes.c_ubyte * count)()
-    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(count * page), vec) != 0:
+    if lib.mincore(ctypes.c_void_p(start), ctypes.c_size_t(count * page), vec) != 0:
         return None
     return sum(v & 1 for v in vec) * page
-
-
-@lru_cache(maxsize=1)
-def _libc():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
-        return None
 
 
 @dataclass(frozen=True)

@@ -53,10 +53,12 @@ def tune_malloc() -> dict[str, int] | None:
         raise ValueError(f"CTXWARDEN_MALLOC must be 'tuned' (the default) or 'default' (glibc's own "
                          f"thresholds), got {choice!r}")
     lib = libc()
+    if lib is None:
+        return None
     try:
         mallopt = lib.mallopt
         lib.gnu_get_libc_version  # glibc only: musl has mallopt as a no-op stub
-    except AttributeError:  # also where there is no C library to load (lib is None)
+    except AttributeError:
         return None
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     done = {}

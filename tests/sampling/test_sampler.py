@@ -192,3 +192,32 @@ def test_top_p_on_a_flat_distribution_past_the_candidate_window():
     rank = logits.argsort(descending=True).argsort()
     assert max(rank[t] for t in picks[:256]) >= 1024  # the deep part is reachable too
     assert allowed[picks[256]]  # a top_p=0.5 row keeps a subset of the 0.8 set
+
+
+def _greedy_all(logits):
+    return SAMPLER.sample(logits, [SamplingRow(SamplingParams.greedy())] * logits.shape[0])
+
+
+@pytest.mark.skipif(__import__("ctxwarden.ext", fromlist=["kernels"]).kernels() is None,
+                    reason="the C++ kernels are not built")
+def test_greedy_fast_path_matches_torch_on_ties_inf_and_a_vocab_sized_row():
+    """The one-pass ext/ argmax + logsumexp of a decode step: the first of tied maxima (as
+    torch.argmax), -inf logits (masked vocabulary) allowed, logprobs as log_softmax's in
+    fp64, and a row with NaN or +inf handed to torch (whose answer it then gives)."""
+    logits = torch.randn(5, 49_152, generator=torch.Generator().manual_seed(9)) * 6
+    logits[1, 40_000] = logits[1, 123] = logits[1].max() + 1  # a tie: the first one wins
+    logits[2, :30_000] = -torch.inf
+    logits[3, 49_151] = logits[3].max() + 2  # the last lane, past every 16-lane block
+    result = _greedy_all(logits)
+    raw = torch.log_softmax(logits.double(), -1)
+    assert result.token_ids == logits.argmax(-1).tolist() and result.token_ids[1] == 123
+    for row, scored in enumerate(result.tokens):
+        assert scored.logprob == pytest.approx(raw[row, scored.token_id].item(), abs=2e-6)
+    odd = logits[:2].clone()
+    odd[0, 7] = torch.nan
+    odd[1, 9] = torch.inf
+    fallback = _greedy_all(odd)
+    assert fallback.token_ids == odd.argmax(-1).tolist() == [7, 9]
+    for lane in (1, 15, 17):  # a vocabulary that is not a multiple of the lanes
+        small = torch.randn(2, lane, generator=torch.Generator().manual_seed(lane))
+        assert _greedy_all(small).token_ids == small.argmax(-1).tolist()

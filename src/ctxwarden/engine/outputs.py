@@ -97,6 +97,8 @@ class OutputProcessor:
             at += n_rows
         if not sampled:
             return []
+        if rows == list(range(logits.shape[0])):  # a decode step: every row sampled, no copy
+            return self._sample(sampled, logits)
         return self._sample(sampled, logits[rows])
 
     def _record_prompt_logprobs(self, req: Request, seq: SequenceInput, rows: torch.Tensor) -> None:

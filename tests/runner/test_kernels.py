@@ -565,3 +565,45 @@ def test_dense_order_is_timed_once_and_set_in_the_ext(monkeypatch):
         assert ext.set_dense_one_stream(one_stream) is False
     finally:
         ext.set_dense_one_stream(one_stream)
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("softcap,sinks", [(None, 0), (5.0, 4)])
+def test_paged_decode_attention_splits_long_sequences_into_chunks_thread_count_free(pool_dtype, softcap, sinks):
+    """Past 1,024 keys a sequence's keys are split into fixed chunks whose softmax partials
+    are merged (ext's kDecodeChunk): the result matches eager attention, sinks and softcap
+    included, and its bits do not depend on how many threads shared the chunks."""
+    torch.manual_seed(7)
+    blocks, bs, hkv, d, hq, width = 200, 16, 3, 64, 9, 3100
+    k_pool = torch.randn(blocks, bs, hkv, d).to(pool_dtype)
+    v_pool = torch.randn(blocks, bs, hkv, d).to(pool_dtype)
+    num_keys = torch.tensor([3100, 1024, 1025, 40])  # 4 chunks (a short last one), 1, 2 (one key), 1
+    slots = torch.zeros(4, width, dtype=torch.long)
+    for b, n in enumerate(num_keys.tolist()):
+        slots[b, :n] = torch.randperm(blocks * bs)[:n]
+    q, q_sink = torch.randn(4, hq, d), torch.randn(4, hq, d)
+    num_sink = torch.clamp(num_keys, max=sinks)
+
+    def run(threads):
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return ext.paged_decode_attention(q, q_sink if sinks else None, k_pool, v_pool, slots, num_keys,
+                                              num_sink, 0.5, softcap or 0.0)
+        finally:
+            torch.set_num_threads(before)
+
+    got = run(2)
+    assert torch.equal(run(1), got)
+    flat_k, flat_v = k_pool.view(-1, hkv, d).float(), v_pool.view(-1, hkv, d).float()
+    mask = torch.arange(width)[None, :] < num_keys[:, None]
+    sink_keys = (torch.arange(width)[None, :] < num_sink[:, None])[:, None, None, None, :]
+    ref = _eager(q[:, None], q_sink[:, None] if sinks else None, flat_k[slots], flat_v[slots],
+                 mask[:, None], sink_keys if sinks else None, AttentionParams(0.5, softcap))[:, 0]
+    assert torch.allclose(got, ref, atol=2e-5)
+    # a sequence of at most one chunk is computed as it was alone: its bits do not change
+    # with the other sequences of the step
+    alone = ext.paged_decode_attention(q[1:2].contiguous(), q_sink[1:2].contiguous() if sinks else None, k_pool,
+                                       v_pool, slots[1:2].contiguous(), num_keys[1:2], num_sink[1:2], 0.5,
+                                       softcap or 0.0)
+    assert torch.equal(alone[0], got[1])

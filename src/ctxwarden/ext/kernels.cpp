@@ -1826,18 +1826,34 @@ constexpr int64_t kMaxGroup = 64;  // query heads per KV head (checked at the ca
 // L1 (SmolLM2: 16 x 768 B = 12 KB of fp32).
 constexpr int64_t kKeyTile = 16;
 
-// Query heads [u0, u1) of one sequence (head u reads KV head u / group): softmax over its
-// keys, keys [0, num_sink) scored against q_sink (StreamingLLM's re-positioned query).
-// Every head's sums run in the same order whatever [u0, u1) is (the DecodeStack and the
-// per-layer call split heads differently and agree bit for bit): scores in 8-key blocks
-// from the start of each of the two key ranges, values one key after another.
+// Keys per chunk of one sequence's decode attention. A sequence longer than this is split
+// into chunks from its first key, each chunk's softmax partial (its max, its sum of
+// e^(s - max), its unnormalized sum of values) computed on its own, then merged in chunk
+// order (merge_chunks). The chunks are fixed by key index, never by thread count, so the
+// result is the same however threads share them, and a sequence of at most kDecodeChunk
+// keys is one chunk, computed exactly as an unsplit call (the same bits: W1's 576-key and
+// W3's contexts are not split). Before, a batch-1
+// step split only heads over threads: SmolLM2's 3 KV heads over 2 threads read 4/3 of
+// the K/V, each thread a 128-byte stripe of every 384-byte key row.
+constexpr int64_t kDecodeChunk = 1024;
+
+inline int64_t decode_chunks(int64_t num_keys) { return std::max<int64_t>(1, (num_keys + kDecodeChunk - 1) / kDecodeChunk); }
+
+// Query heads [u0, u1) of one sequence (head u reads KV head u / group) over its keys
+// [jb, je) (keys < num_sink scored against q_sink, StreamingLLM's re-positioned query;
+// num_keys bounds the prefetch). With ml null: softmax, out[u * d] = the weighted values.
+// Else the chunk's partial: out[u * d] = sum_j e^(s_j - m) v_j, ml[2u] = m, ml[2u + 1] =
+// sum_j e^(s_j - m). Every head's sums run in the same order whatever [u0, u1) is (the
+// DecodeStack and the per-layer call split heads differently and agree bit for bit):
+// scores in 8-key blocks from the start of each of the two key ranges, values one key
+// after another.
 template <typename T>
-void decode_heads(const DecodeArgs& a, const float* q, const float* q_sink, const T* kp, const T* vp,
-                  const int64_t* slots, int64_t num_keys, int64_t num_sink, int64_t u0, int64_t u1,
-                  float* out, std::vector<float>& scores) {
-  const int64_t d = a.head_dim, row = a.num_kv_heads * d, g_count = a.group, nu = u1 - u0;
-  scores.resize(nu * num_keys + nu);
-  float *const sc = scores.data(), *const inv = sc + nu * num_keys;  // inv: 1 / each head's sum
+void decode_keys(const DecodeArgs& a, const float* q, const float* q_sink, const T* kp, const T* vp,
+                 const int64_t* slots, int64_t jb, int64_t je, int64_t num_keys, int64_t num_sink, int64_t u0,
+                 int64_t u1, float* out, float* ml, std::vector<float>& scores) {
+  const int64_t d = a.head_dim, row = a.num_kv_heads * d, g_count = a.group, nu = u1 - u0, cn = je - jb;
+  scores.resize(nu * cn + nu);
+  float *const sc = scores.data(), *const inv = sc + nu * cn;  // inv: 1 / each head's sum
 #if CW_SIMD
   const bool vec = d % 16 == 0;
 #else
@@ -1846,17 +1862,17 @@ void decode_heads(const DecodeArgs& a, const float* q, const float* q_sink, cons
   if (vec) {
 #if CW_SIMD
     for (int part = 0; part < 2; ++part) {
-      const int64_t jb = part ? num_sink : 0, je = part ? num_keys : num_sink;
+      const int64_t pb = part ? std::max(jb, num_sink) : jb, pe = part ? je : std::min(je, num_sink);
       const float* qq = part ? q : q_sink;
-      for (int64_t j0 = jb; j0 < je; j0 += kKeyTile) {
-        const int64_t tn = std::min(kKeyTile, je - j0);
+      for (int64_t j0 = pb; j0 < pe; j0 += kKeyTile) {
+        const int64_t tn = std::min(kKeyTile, pe - j0);
         const int64_t next = std::min(kKeyTile, num_keys - j0 - tn);
         for_head_runs(u0, u1, g_count, [&](int64_t h, int64_t u, int gn) {
           const float* qg[4];
           float* og[4];
           for (int g = 0; g < gn; ++g) {
             qg[g] = qq + (u + g) * d;
-            og[g] = sc + (u + g - u0) * num_keys + j0;
+            og[g] = sc + (u + g - u0) * cn + (j0 - jb);
           }
           by_group_size(gn, [&](auto GN) {
             score_keys_group_any<decltype(GN)::value>(qg, kp + h * d, slots + j0, row, d, tn, a.scale, og, next);
@@ -1867,31 +1883,37 @@ void decode_heads(const DecodeArgs& a, const float* q, const float* q_sink, cons
 #endif
   } else {
     for (int64_t u = u0; u < u1; ++u)
-      for (int64_t j = 0; j < num_keys; ++j)
-        sc[(u - u0) * num_keys + j] =
+      for (int64_t j = jb; j < je; ++j)
+        sc[(u - u0) * cn + j - jb] =
             dot_head((j < num_sink ? q_sink : q) + u * d, kp + (u / g_count) * d + slots[j] * row, d) * a.scale;
   }
   if (a.softcap > 0)
-    for (int64_t i = 0; i < nu * num_keys; ++i) sc[i] = a.softcap * std::tanh(sc[i] / a.softcap);
+    for (int64_t i = 0; i < nu * cn; ++i) sc[i] = a.softcap * std::tanh(sc[i] / a.softcap);
   for (int64_t u = 0; u < nu; ++u) {
-    float* su = sc + u * num_keys;
+    float* su = sc + u * cn;
 #if CW_SIMD
-    inv[u] = 1.f / exp_sum(su, num_keys, max_score(su, num_keys));
+    const float top = max_score(su, cn);
 #else
-    inv[u] = 1.f / exp_sum(su, num_keys, *std::max_element(su, su + num_keys));
+    const float top = *std::max_element(su, su + cn);
 #endif
+    const float total = exp_sum(su, cn, top);
+    if (ml) {
+      ml[2 * (u0 + u)] = top;
+      ml[2 * (u0 + u) + 1] = total;
+    }
+    inv[u] = 1.f / total;
   }
   std::fill(out + u0 * d, out + u1 * d, 0.f);
   if (vec) {
 #if CW_SIMD
-    for (int64_t j0 = 0; j0 < num_keys; j0 += kKeyTile) {
-      const int64_t tn = std::min(kKeyTile, num_keys - j0);
+    for (int64_t j0 = jb; j0 < je; j0 += kKeyTile) {
+      const int64_t tn = std::min(kKeyTile, je - j0);
       const int64_t next = std::min(kKeyTile, num_keys - j0 - tn);
       for_head_runs(u0, u1, g_count, [&](int64_t h, int64_t u, int gn) {
         const float* p[4];
         float* o[4];
         for (int g = 0; g < gn; ++g) {
-          p[g] = sc + (u + g - u0) * num_keys + j0;
+          p[g] = sc + (u + g - u0) * cn + (j0 - jb);
           o[g] = out + (u + g) * d;
         }
         by_group_size(gn, [&](auto GN) {
@@ -1903,15 +1925,113 @@ void decode_heads(const DecodeArgs& a, const float* q, const float* q_sink, cons
         });
       });
     }
-    for (int64_t u = u0; u < u1; ++u)
-      for (int64_t i = 0; i < d; i += 16) vstore(out + u * d + i, vmul(vload(out + u * d + i), vset1(inv[u - u0])));
+    if (!ml)
+      for (int64_t u = u0; u < u1; ++u)
+        for (int64_t i = 0; i < d; i += 16) vstore(out + u * d + i, vmul(vload(out + u * d + i), vset1(inv[u - u0])));
 #endif
   } else {
     for (int64_t u = u0; u < u1; ++u)
-      for (int64_t j = 0; j < num_keys; ++j)
-        axpy_head(sc[(u - u0) * num_keys + j] * inv[u - u0], vp + (u / g_count) * d + slots[j] * row,
+      for (int64_t j = jb; j < je; ++j)
+        axpy_head(sc[(u - u0) * cn + j - jb] * (ml ? 1.f : inv[u - u0]), vp + (u / g_count) * d + slots[j] * row,
                   out + u * d, d);
   }
+}
+
+// Heads [u0, u1) of a sequence from its nc chunks' partials (chunk c's sums at po + c * stride,
+// its maxima and totals at pml + c * 2 * hq): rescaled to the largest max, added in chunk
+// order, divided by the total (times its reciprocal, as an unsplit call does).
+inline void merge_chunks(const float* po, const float* pml, int64_t nc, int64_t stride, int64_t hq, int64_t d,
+                         int64_t u0, int64_t u1, float* out) {
+  for (int64_t u = u0; u < u1; ++u) {
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t c = 0; c < nc; ++c) top = std::max(top, pml[c * 2 * hq + 2 * u]);
+    float total = 0.f;
+    float* o = out + u * d;
+    std::fill(o, o + d, 0.f);
+    for (int64_t c = 0; c < nc; ++c) {
+      const float w = std::exp(pml[c * 2 * hq + 2 * u] - top);
+      total += w * pml[c * 2 * hq + 2 * u + 1];
+      const float* oc = po + c * stride + u * d;
+      for (int64_t i = 0; i < d; ++i) o[i] += w * oc[i];
+    }
+    const float inv = 1.f / total;
+    for (int64_t i = 0; i < d; ++i) o[i] *= inv;
+  }
+}
+
+// A decode step's attention as pieces: (sequence, chunk, query head) in that order, each
+// chunk of a sequence with more than one writing partials (its slot: first_chunk[s] + c).
+struct DecodePlan {
+  std::vector<int64_t> first_chunk, num_chunks;  // per sequence
+  int64_t total_chunks = 0;
+  bool split = false;  // some sequence has more than one chunk
+  std::vector<float> partial_o, partial_ml;  // [chunks, hq, d], [chunks, hq, 2]
+
+  DecodePlan(const int64_t* num_keys, int64_t b, int64_t hq, int64_t d) : first_chunk(b), num_chunks(b) {
+    for (int64_t s = 0; s < b; ++s) {
+      first_chunk[s] = total_chunks;
+      total_chunks += num_chunks[s] = decode_chunks(num_keys[s]);
+      split = split || num_chunks[s] > 1;
+    }
+    if (split) {
+      partial_o.resize(total_chunks * hq * d);
+      partial_ml.resize(total_chunks * hq * 2);
+    }
+  }
+};
+
+// Pieces [p0, p1) of plan's (sequence, chunk, query head) list (hq heads a chunk): each run
+// of one chunk's heads in one decode_keys call.
+template <typename T>
+void decode_pieces(const DecodeArgs& a, DecodePlan& plan, const float* qp, const float* qsp, const T* kp,
+                   const T* vp, const int64_t* sp, int64_t width, const int64_t* np, const int64_t* nsp, int64_t hq,
+                   int64_t p0, int64_t p1, float* op, std::vector<float>& scores) {
+  const int64_t d = a.head_dim;
+  for (int64_t p = p0; p < p1;) {
+    const int64_t chunk = p / hq, u0 = p % hq, u1 = std::min(hq, u0 + (p1 - p));
+    const int64_t s = std::upper_bound(plan.first_chunk.begin(), plan.first_chunk.end(), chunk) - plan.first_chunk.begin() - 1;
+    const int64_t c = chunk - plan.first_chunk[s], jb = c * kDecodeChunk, je = std::min(np[s], jb + kDecodeChunk);
+    const float *q = qp + s * hq * d, *qs = qsp + s * hq * d;
+    if (plan.num_chunks[s] == 1)
+      decode_keys<T>(a, q, qs, kp, vp, sp + s * width, 0, np[s], np[s], nsp[s], u0, u1, op + s * hq * d, nullptr, scores);
+    else
+      decode_keys<T>(a, q, qs, kp, vp, sp + s * width, jb, je, np[s], nsp[s], u0, u1,
+                     plan.partial_o.data() + chunk * hq * d, plan.partial_ml.data() + chunk * hq * 2, scores);
+    p += u1 - u0;
+  }
+}
+
+// The (sequence, head) pairs [r0, r1) of a split plan merged into op (single-chunk ones are done).
+inline void merge_pieces(const DecodePlan& plan, int64_t hq, int64_t d, int64_t r0, int64_t r1, float* op) {
+  for (int64_t r = r0; r < r1;) {
+    const int64_t s = r / hq, u0 = r % hq, u1 = std::min(hq, u0 + (r1 - r));
+    if (plan.num_chunks[s] > 1)
+      merge_chunks(plan.partial_o.data() + plan.first_chunk[s] * hq * d,
+                   plan.partial_ml.data() + plan.first_chunk[s] * hq * 2, plan.num_chunks[s], hq * d, hq, d, u0, u1,
+                   op + s * hq * d);
+    r += u1 - u0;
+  }
+}
+
+// The piece a thread's share of plan's list starts at: shares of equal key counts (a
+// chunk's pieces cost its keys each), so a long sequence's chunks spread over the threads.
+inline int64_t piece_share_start(const DecodePlan& plan, const int64_t* np, int64_t b, int64_t hq, int tid, int team) {
+  if (tid <= 0) return 0;
+  int64_t total = 0;
+  for (int64_t s = 0; s < b; ++s) total += std::max<int64_t>(np[s], 1) * hq;
+  const int64_t target = (total * tid + team - 1) / team;  // the first piece at or past tid / team of the keys
+  int64_t acc = 0;
+  for (int64_t s = 0; s < b; ++s)
+    for (int64_t c = 0; c < plan.num_chunks[s]; ++c) {
+      const int64_t keys = plan.num_chunks[s] == 1 ? std::max<int64_t>(np[s], 1)
+                                                   : std::min(np[s], (c + 1) * kDecodeChunk) - c * kDecodeChunk;
+      if (acc + keys * hq > target) {
+        const int64_t into = (target - acc + keys - 1) / keys;  // heads of this chunk before the share starts
+        return (plan.first_chunk[s] + c) * hq + std::min(hq, into);
+      }
+      acc += keys * hq;
+    }
+  return plan.total_chunks * hq;
 }
 
 template <typename T>
@@ -1926,21 +2046,20 @@ void decode_attention_impl(const DecodeArgs& a, const at::Tensor& q, const at::T
   const int64_t *sp = slots.data_ptr<int64_t>(), *np = num_keys.data_ptr<int64_t>();
   const int64_t* nsp = num_sink.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
-  // One task per sequence (its rows read once, in order, for all heads) where there are
-  // sequences enough to share; else per (sequence, KV head). Small steps stay on one thread.
+  DecodePlan plan(np, b, hq, d);
+  // Small steps stay on one thread; else each thread its share of the pieces (as the
+  // DecodeStack splits them), then of the (sequence, head) merges.
   int64_t keys = 0;
   for (int64_t s = 0; s < b; ++s) keys += np[s];
-  const int64_t parts = b >= 2 * at::get_num_threads() ? 1 : a.num_kv_heads;
-  const int64_t work = b * parts, heads = hq / parts;
-  const int64_t grain = keys * hq * d < (1 << 18) ? work : 1;
-  at::parallel_for(0, work, grain, [&](int64_t begin, int64_t end) {
+  const int team = keys * hq * d < (1 << 18) ? 1 : std::max(1, at::get_num_threads());
+  at::parallel_for(0, team, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores;
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t s = t / parts, u0 = (t % parts) * heads;
-      decode_heads<T>(a, qp + s * hq * d, qsp + s * hq * d, kp, vp, sp + s * width, np[s], nsp[s], u0,
-                      u0 + heads, op + s * hq * d, scores);
-    }
+    for (int64_t t = t0; t < t1; ++t)
+      decode_pieces<T>(a, plan, qp, qsp, kp, vp, sp, width, np, nsp, hq,
+                       piece_share_start(plan, np, b, hq, static_cast<int>(t), team),
+                       piece_share_start(plan, np, b, hq, static_cast<int>(t + 1), team), op, scores);
   });
+  if (plan.split) merge_pieces(plan, hq, d, 0, b * hq, op);
 }
 
 }  // namespace
@@ -2583,6 +2702,7 @@ void run_layers(const StackShape& sh, const LayerParts* layers, int64_t n, at::T
         *actp = act.data_ptr<float>(), *dnp = dn.data_ptr<float>(), *ownp = own.data_ptr<float>();
   const int64_t *sp = slots.data_ptr<int64_t>(), *np = num_keys.data_ptr<int64_t>(), *nsp = num_sink.data_ptr<int64_t>();
   const int64_t width = slots.size(1);
+  DecodePlan plan(np, t, hq, d);  // the same pieces in every layer
   SpinBarrier barrier;
 
 #pragma omp parallel num_threads(nt)
@@ -2599,7 +2719,8 @@ void run_layers(const StackShape& sh, const LayerParts* layers, int64_t n, at::T
       if (b < end) project_rows(p, in, t, b, end, out, scratch);
       barrier.wait(team);
     };
-    const auto [ub, ue] = share(t * hq, tid, team, 1);  // attention units: (sequence, query head)
+    const auto [ub, ue] = share(t * hq, tid, team, 1);  // attention merges: (sequence, query head)
+    const int64_t pb = piece_share_start(plan, np, t, hq, tid, team), pe = piece_share_start(plan, np, t, hq, tid + 1, team);
     const auto [cb, ce] = share(inter, tid, team, 16);
     const auto [xb, xe] = share(t * hidden, tid, team, 16);
     for (int64_t li = 0; li < n; ++li) {
@@ -2614,19 +2735,18 @@ void run_layers(const StackShape& sh, const LayerParts* layers, int64_t n, at::T
       }
       barrier.wait(team);
       const void *kp = l.k_pool.data_ptr(), *vp = l.v_pool.data_ptr();
-      for (int64_t u = ub; u < ue;) {  // this thread's heads of one sequence in one call
-        const int64_t s = u / hq, u0 = u % hq, u1 = std::min(hq, u0 + (ue - u));
-        const float* qs = qp + s * hq * d;
-        if (sh.bf16_pool)
-          decode_heads<at::BFloat16>(a, qs, qs, static_cast<const at::BFloat16*>(kp),
-                                     static_cast<const at::BFloat16*>(vp), sp + s * width, np[s], nsp[s], u0, u1,
-                                     attnp + s * hq * d, scratch.scores);
-        else
-          decode_heads<float>(a, qs, qs, static_cast<const float*>(kp), static_cast<const float*>(vp),
-                              sp + s * width, np[s], nsp[s], u0, u1, attnp + s * hq * d, scratch.scores);
-        u += u1 - u0;
-      }
+      if (sh.bf16_pool)  // this thread's pieces: (sequence, chunk, query head), as the per-layer call splits them
+        decode_pieces<at::BFloat16>(a, plan, qp, qp, static_cast<const at::BFloat16*>(kp),
+                                    static_cast<const at::BFloat16*>(vp), sp, width, np, nsp, hq, pb, pe, attnp,
+                                    scratch.scores);
+      else
+        decode_pieces<float>(a, plan, qp, qp, static_cast<const float*>(kp), static_cast<const float*>(vp), sp, width,
+                             np, nsp, hq, pb, pe, attnp, scratch.scores);
       barrier.wait(team);
+      if (plan.split) {  // the chunks of long sequences merged, each thread its (sequence, head) share
+        merge_pieces(plan, hq, d, ub, ue, attnp);
+        barrier.wait(team);
+      }
       project(l.pj[1], attnp, op);
       for (int64_t i = 0; i < t * hidden; ++i) r[i] = xp[i] + op[i];  // x + o, each thread its own
       for (int64_t i = 0; i < t; ++i) norm_row(r + i * hidden, l.post_norm, h2 + i * hidden, hidden, sh.eps, sh.offset);

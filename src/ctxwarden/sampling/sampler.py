@@ -16,10 +16,9 @@ Algorithm (one call per step, all running requests at once):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
-
-import math
 
 import torch
 
@@ -146,7 +145,7 @@ def prompt_logprobs(logits: torch.Tensor, prompt_token_ids: Sequence[int],
     for start in range(0, num_scored, _PROMPT_LOGPROB_CHUNK_ROWS):
         stop = min(start + _PROMPT_LOGPROB_CHUNK_ROWS, num_scored)
         block = logits[start:stop].float()
-        scored.extend(_score(block, targets[start:stop], [num_top] * (stop - start)))
+        scored.extend(_score(block, targets[start:stop], [num_top] * (stop - start), _max_lse(block)))
     return scored
 
 
@@ -269,12 +268,10 @@ def _max_lse(logits: torch.Tensor) -> list[list[float]] | None:
 
 
 def _score(logits: torch.Tensor, token_ids: torch.Tensor,
-           num_top: list[int], stats: list[list[float]] | None = None) -> list[ScoredToken]:
+           num_top: list[int], stats: list[list[float]] | None) -> list[ScoredToken]:
     """Raw-logit log-probabilities of the chosen tokens and of each row's top alternatives
-    (`stats`: _max_lse of these logits, when the caller has it)."""
+    (`stats`: _max_lse of these logits; None: torch's logsumexp)."""
     # logits: [m, V] raw; log_softmax(x)_t = x_t - logsumexp(x), without an [m, V] temporary
-    if stats is None:
-        stats = _max_lse(logits)
     if stats is not None:
         lse = torch.tensor([row[2] for row in stats], dtype=logits.dtype).unsqueeze(1)  # [m, 1]
     else:

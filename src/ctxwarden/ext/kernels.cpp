@@ -1978,6 +1978,11 @@ struct DecodePlan {
       partial_ml.resize(total_chunks * hq * 2);
     }
   }
+
+  // Keys [first, end) of sequence s's chunk c (num_keys as given to the constructor).
+  std::pair<int64_t, int64_t> keys_of(const int64_t* num_keys, int64_t s, int64_t c) const {
+    return {c * kDecodeChunk, std::min(num_keys[s], (c + 1) * kDecodeChunk)};
+  }
 };
 
 // Pieces [p0, p1) of plan's (sequence, chunk, query head) list (hq heads a chunk): each run
@@ -1990,13 +1995,11 @@ void decode_pieces(const DecodeArgs& a, DecodePlan& plan, const float* qp, const
   for (int64_t p = p0; p < p1;) {
     const int64_t chunk = p / hq, u0 = p % hq, u1 = std::min(hq, u0 + (p1 - p));
     const int64_t s = std::upper_bound(plan.first_chunk.begin(), plan.first_chunk.end(), chunk) - plan.first_chunk.begin() - 1;
-    const int64_t c = chunk - plan.first_chunk[s], jb = c * kDecodeChunk, je = std::min(np[s], jb + kDecodeChunk);
-    const float *q = qp + s * hq * d, *qs = qsp + s * hq * d;
-    if (plan.num_chunks[s] == 1)
-      decode_keys<T>(a, q, qs, kp, vp, sp + s * width, 0, np[s], np[s], nsp[s], u0, u1, op + s * hq * d, nullptr, scores);
-    else
-      decode_keys<T>(a, q, qs, kp, vp, sp + s * width, jb, je, np[s], nsp[s], u0, u1,
-                     plan.partial_o.data() + chunk * hq * d, plan.partial_ml.data() + chunk * hq * 2, scores);
+    const auto [jb, je] = plan.keys_of(np, s, chunk - plan.first_chunk[s]);
+    const bool whole = plan.num_chunks[s] == 1;  // normalized straight into op
+    decode_keys<T>(a, qp + s * hq * d, qsp + s * hq * d, kp, vp, sp + s * width, jb, je, np[s], nsp[s], u0, u1,
+                   whole ? op + s * hq * d : plan.partial_o.data() + chunk * hq * d,
+                   whole ? nullptr : plan.partial_ml.data() + chunk * hq * 2, scores);
     p += u1 - u0;
   }
 }
@@ -2023,8 +2026,8 @@ inline int64_t piece_share_start(const DecodePlan& plan, const int64_t* np, int6
   int64_t acc = 0;
   for (int64_t s = 0; s < b; ++s)
     for (int64_t c = 0; c < plan.num_chunks[s]; ++c) {
-      const int64_t keys = plan.num_chunks[s] == 1 ? std::max<int64_t>(np[s], 1)
-                                                   : std::min(np[s], (c + 1) * kDecodeChunk) - c * kDecodeChunk;
+      const auto [jb, je] = plan.keys_of(np, s, c);
+      const int64_t keys = std::max<int64_t>(je - jb, 1);
       if (acc + keys * hq > target) {
         const int64_t into = (target - acc + keys - 1) / keys;  // heads of this chunk before the share starts
         return (plan.first_chunk[s] + c) * hq + std::min(hq, into);
